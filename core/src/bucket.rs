@@ -1,0 +1,308 @@
+//! Token bucket math with weighted cost, shared by the filter's local stage, the limiter's
+//! in-memory store and (mirrored line by line) the limiter's Redis Function.
+//!
+//! Invariants (property-tested in `tests/bucket_props.rs`):
+//! `0 ≤ tokens ≤ capacity`; idle time refills at most to capacity; time that moves backwards
+//! creates nothing (and never moves `updated_ms` back, so the same span is never credited twice);
+//! an admitted cost is taken exactly once; a denial takes nothing and says how long to wait.
+
+/// Float slack when comparing tokens to a cost: refill arithmetic (`elapsed × rate`) may land a
+/// hair under a whole number that is really there.
+const EPSILON: f64 = 1e-9;
+
+/// Rate and capacity of one bucket: `capacity` tokens at most, refilled at `refill_per_ms`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    capacity: f64,
+    refill_per_ms: f64,
+}
+
+impl Limits {
+    /// `units` per `per_ms` milliseconds, at most `burst` at once. `None` when any is zero.
+    pub fn new(units: u64, per_ms: u64, burst: u64) -> Option<Self> {
+        if units == 0 || per_ms == 0 || burst == 0 {
+            return None;
+        }
+        Some(Self {
+            capacity: burst as f64,
+            refill_per_ms: units as f64 / per_ms as f64,
+        })
+    }
+
+    pub fn capacity(&self) -> f64 {
+        self.capacity
+    }
+
+    pub fn refill_per_ms(&self) -> f64 {
+        self.refill_per_ms
+    }
+
+    /// Milliseconds until `deficit` tokens have been refilled, rounded up (at least 1 when there
+    /// is a deficit), saturating instead of overflowing.
+    pub fn millis_to_refill(&self, deficit: f64) -> u64 {
+        if deficit <= EPSILON {
+            return 0;
+        }
+        let ms = (deficit / self.refill_per_ms).ceil();
+        if ms >= u64::MAX as f64 {
+            u64::MAX
+        } else {
+            (ms as u64).max(1)
+        }
+    }
+
+    /// Time for an empty bucket to become full; state may be dropped once idle this long,
+    /// because recreating it full yields the same logical state.
+    pub fn full_refill_ms(&self) -> u64 {
+        self.millis_to_refill(self.capacity)
+    }
+}
+
+/// Stored state of one bucket.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketState {
+    pub tokens: f64,
+    pub updated_ms: u64,
+}
+
+impl BucketState {
+    /// A bucket seen for the first time is full.
+    pub fn full(limits: &Limits, now_ms: u64) -> Self {
+        Self {
+            tokens: limits.capacity,
+            updated_ms: now_ms,
+        }
+    }
+
+    /// The state as of `now_ms`: refilled for the elapsed time, clamped to `[0, capacity]`.
+    /// A clock that went backwards refills nothing and leaves `updated_ms` where it was.
+    pub fn refilled(self, limits: &Limits, now_ms: u64) -> Self {
+        let tokens = if self.tokens.is_finite() {
+            self.tokens
+        } else {
+            0.0
+        };
+        let elapsed = now_ms.saturating_sub(self.updated_ms);
+        let tokens = (tokens + elapsed as f64 * limits.refill_per_ms).clamp(0.0, limits.capacity);
+        Self {
+            tokens,
+            updated_ms: self.updated_ms.max(now_ms),
+        }
+    }
+
+    /// When this bucket will be full again if nothing takes from it.
+    pub fn full_at_ms(&self, limits: &Limits) -> u64 {
+        self.updated_ms
+            .saturating_add(limits.millis_to_refill(limits.capacity - self.tokens))
+    }
+}
+
+/// Outcome of asking a bucket for `cost` tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Decision {
+    /// The cost was taken; `remaining` tokens are left.
+    Allowed { remaining: f64 },
+    /// Nothing was taken; enough tokens will be there after `retry_after_ms`.
+    Denied { retry_after_ms: u64, remaining: f64 },
+}
+
+impl Decision {
+    pub fn is_allowed(&self) -> bool {
+        matches!(self, Decision::Allowed { .. })
+    }
+}
+
+/// Takes `cost` tokens if they are there. `state` is `None` for a bucket never seen (or expired).
+pub fn try_take(
+    limits: &Limits,
+    state: Option<BucketState>,
+    now_ms: u64,
+    cost: u64,
+) -> (BucketState, Decision) {
+    let current = current(limits, state, now_ms);
+    let cost = cost as f64;
+    if current.tokens + EPSILON >= cost {
+        let next = BucketState {
+            tokens: (current.tokens - cost).max(0.0),
+            ..current
+        };
+        (
+            next,
+            Decision::Allowed {
+                remaining: next.tokens,
+            },
+        )
+    } else {
+        (
+            current,
+            Decision::Denied {
+                retry_after_ms: limits.millis_to_refill(cost - current.tokens),
+                remaining: current.tokens,
+            },
+        )
+    }
+}
+
+/// Outcome of a lease: `granted` is `0` or within `[min, want]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LeaseGrant {
+    pub granted: u64,
+    pub remaining: f64,
+    /// When `granted == 0`: how long until `min` tokens are there.
+    pub retry_after_ms: u64,
+}
+
+/// Takes a batch of tokens for a lease: at least `min` (the waiting request's cost) and at most
+/// `want`. The fuller the bucket, the larger the batch: a bucket at fill ratio `f` grants at most
+/// `f × available` (never less than `min`), so near the limit a lease shrinks to the request's
+/// cost and few tokens sit stranded in other instances' leases.
+pub fn lease(
+    limits: &Limits,
+    state: Option<BucketState>,
+    now_ms: u64,
+    min: u64,
+    want: u64,
+) -> (BucketState, LeaseGrant) {
+    let current = current(limits, state, now_ms);
+    let min = min.max(1);
+    let want = want.max(min);
+    let available = (current.tokens + EPSILON).floor();
+    if available < min as f64 {
+        let needed = min as f64;
+        return (
+            current,
+            LeaseGrant {
+                granted: 0,
+                remaining: current.tokens,
+                retry_after_ms: limits.millis_to_refill(needed - current.tokens),
+            },
+        );
+    }
+    let fill = (current.tokens / limits.capacity).clamp(0.0, 1.0);
+    let scaled = (available * fill).floor() as u64;
+    let granted = scaled.max(min).min(want).min(available as u64);
+    let next = BucketState {
+        tokens: (current.tokens - granted as f64).max(0.0),
+        ..current
+    };
+    (
+        next,
+        LeaseGrant {
+            granted,
+            remaining: next.tokens,
+            retry_after_ms: 0,
+        },
+    )
+}
+
+/// Gives `unused` tokens back to a bucket, never above capacity.
+pub fn give_back(
+    limits: &Limits,
+    state: Option<BucketState>,
+    now_ms: u64,
+    unused: u64,
+) -> BucketState {
+    let current = current(limits, state, now_ms);
+    BucketState {
+        tokens: (current.tokens + unused as f64).min(limits.capacity),
+        ..current
+    }
+}
+
+fn current(limits: &Limits, state: Option<BucketState>, now_ms: u64) -> BucketState {
+    match state {
+        Some(state) => state.refilled(limits, now_ms),
+        None => BucketState::full(limits, now_ms),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        // 100 units/s, burst 20: the seed's payments policy.
+        Limits::new(100, 1_000, 20).unwrap()
+    }
+
+    #[test]
+    fn new_bucket_is_full_and_weighted_cost_drains_it() {
+        let l = limits();
+        let mut state = None;
+        for i in 0..4 {
+            let (next, d) = try_take(&l, state, 0, 5);
+            assert_eq!(
+                d,
+                Decision::Allowed {
+                    remaining: (15 - 5 * i) as f64
+                }
+            );
+            state = Some(next);
+        }
+        let (_, d) = try_take(&l, state, 0, 5);
+        // 5 tokens at 0.1/ms: 50 ms.
+        assert_eq!(
+            d,
+            Decision::Denied {
+                retry_after_ms: 50,
+                remaining: 0.0
+            }
+        );
+    }
+
+    #[test]
+    fn refill_is_capped_and_backward_time_creates_nothing() {
+        let l = limits();
+        let (s, _) = try_take(&l, None, 10_000, 20);
+        assert_eq!(s.tokens, 0.0);
+        let back = s.refilled(&l, 5_000);
+        assert_eq!(back.tokens, 0.0);
+        assert_eq!(back.updated_ms, 10_000);
+        assert_eq!(s.refilled(&l, 10_100).tokens, 10.0);
+        assert_eq!(s.refilled(&l, 99_999_999).tokens, 20.0);
+        assert_eq!(s.full_at_ms(&l), 10_200);
+    }
+
+    #[test]
+    fn denial_takes_nothing() {
+        let l = limits();
+        let (s, _) = try_take(&l, None, 0, 18);
+        let (after, d) = try_take(&l, Some(s), 0, 5);
+        assert!(!d.is_allowed());
+        assert_eq!(after.tokens, 2.0);
+    }
+
+    #[test]
+    fn lease_shrinks_as_the_bucket_runs_low() {
+        let l = Limits::new(1, 3_600_000, 100).unwrap();
+        let (s, g) = lease(&l, None, 0, 1, 40);
+        assert_eq!(g.granted, 40);
+        let (s, g) = lease(&l, Some(s), 0, 1, 40);
+        // 60 left, fill 0.6: at most 36.
+        assert_eq!(g.granted, 36);
+        let (s, g) = lease(&l, Some(s), 0, 5, 40);
+        // 24 left, fill 0.24: 5 (min wins over 5.76→5).
+        assert_eq!(g.granted, 5);
+        let (s, g) = lease(&l, Some(s), 0, 19, 40);
+        assert_eq!(g.granted, 19);
+        let (_, g) = lease(&l, Some(s), 0, 1, 40);
+        assert_eq!(g.granted, 0);
+        assert!(g.retry_after_ms > 0);
+    }
+
+    #[test]
+    fn give_back_never_exceeds_capacity() {
+        let l = limits();
+        let (s, _) = try_take(&l, None, 0, 3);
+        assert_eq!(give_back(&l, Some(s), 0, 10).tokens, 20.0);
+        assert_eq!(give_back(&l, Some(s), 0, 2).tokens, 19.0);
+    }
+
+    #[test]
+    fn retry_after_rounds_up() {
+        let l = Limits::new(3, 1_000, 1).unwrap();
+        assert_eq!(l.millis_to_refill(1.0), 334);
+        assert_eq!(l.millis_to_refill(0.0), 0);
+        assert_eq!(l.full_refill_ms(), 334);
+    }
+}

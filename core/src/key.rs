@@ -1,0 +1,224 @@
+//! The one owner of tollgate's key format.
+//!
+//! A bucket is named by its policy and a *key*: the escaped identity parts joined by `:`
+//! (e.g. `acme` or `acme:GET%20%2Fitems%2F%7Bid%7D`). The filter builds keys, sends them to the
+//! limiter, and uses `<policy>:<key>` for its local table; the limiter turns them into Redis keys
+//! `tollgate:{<first part>}:<policy>:<key>`.
+//!
+//! User-supplied bytes are escaped so that `{`, `}`, `:` (and anything outside a small safe
+//! alphabet) cannot move a key to another Redis Cluster slot, or collide with another tenant's
+//! key; parts longer than [`MAX_PART_BYTES`] once escaped are replaced by a SHA-256 digest, so
+//! key size is bounded whatever the input.
+
+use sha2::{Digest, Sha256};
+
+/// Longest escaped part kept verbatim; longer ones become `#<32 hex>`.
+pub const MAX_PART_BYTES: usize = 64;
+/// Most parts a key may have.
+pub const MAX_PARTS: usize = 8;
+/// Longest key on the wire: every part at its bound plus separators.
+pub const MAX_KEY_BYTES: usize = MAX_PARTS * (MAX_PART_BYTES + 1);
+/// The key part used for requests without the identity when a policy says `anonymous`.
+/// `!` is outside the escaped alphabet, so no real identity can produce it.
+pub const ANONYMOUS_PART: &str = "!anonymous";
+/// Prefix of every Redis key tollgate writes.
+pub const REDIS_PREFIX: &str = "tollgate";
+
+fn is_plain(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~' | b'@' | b'+' | b'=')
+}
+
+/// Escapes one identity part: safe bytes stay, others become `%XX`; too long → `#` + digest.
+/// The three forms (plain/percent, digest, anonymous) never collide: `#` and `!` are always
+/// percent-escaped in the first form.
+pub fn escape_part(raw: &[u8]) -> String {
+    let escaped_len: usize = raw.iter().map(|b| if is_plain(*b) { 1 } else { 3 }).sum();
+    if escaped_len > MAX_PART_BYTES {
+        return format!("#{}", digest_hex(raw, 16));
+    }
+    let mut out = String::with_capacity(escaped_len);
+    for &byte in raw {
+        if is_plain(byte) {
+            out.push(char::from(byte));
+        } else {
+            out.push('%');
+            out.push(hex_digit(byte >> 4));
+            out.push(hex_digit(byte & 0x0f));
+        }
+    }
+    out
+}
+
+/// Lowercase hex of the first `bytes` bytes of SHA-256(`data`).
+pub fn digest_hex(data: &[u8], bytes: usize) -> String {
+    let digest = Sha256::digest(data);
+    digest
+        .iter()
+        .take(bytes)
+        .flat_map(|b| [hex_digit(b >> 4), hex_digit(b & 0x0f)])
+        .collect()
+}
+
+fn hex_digit(nibble: u8) -> char {
+    char::from(match nibble {
+        0..=9 => b'0' + nibble,
+        _ => b'a' + (nibble - 10),
+    })
+}
+
+/// Joins escaped parts into a key.
+pub fn join_parts<S: AsRef<str>>(parts: &[S]) -> String {
+    let mut key = String::new();
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            key.push(':');
+        }
+        key.push_str(part.as_ref());
+    }
+    key
+}
+
+/// Checks a key that arrived over the wire: 1..=[`MAX_PARTS`] parts, each one of the forms
+/// [`escape_part`] produces (or [`ANONYMOUS_PART`]).
+pub fn validate_key(key: &str) -> Result<(), String> {
+    if key.is_empty() {
+        return Err("key is empty".into());
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(format!("key is longer than {MAX_KEY_BYTES} bytes"));
+    }
+    let mut count = 0;
+    for part in key.split(':') {
+        count += 1;
+        if count > MAX_PARTS {
+            return Err(format!("key has more than {MAX_PARTS} parts"));
+        }
+        if !is_valid_part(part) {
+            return Err(format!("key part `{part}` is not an escaped identity"));
+        }
+    }
+    Ok(())
+}
+
+fn is_valid_part(part: &str) -> bool {
+    if part == ANONYMOUS_PART {
+        return true;
+    }
+    if let Some(hex) = part.strip_prefix('#') {
+        return hex.len() == 32 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+    }
+    if part.is_empty() || part.len() > MAX_PART_BYTES {
+        return false;
+    }
+    let bytes = part.as_bytes();
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        if b == b'%' {
+            let hex_ok = bytes
+                .get(i + 1..i + 3)
+                .is_some_and(|h| h.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')));
+            if !hex_ok {
+                return false;
+            }
+            i += 3;
+        } else if is_plain(b) {
+            i += 1;
+        } else {
+            return false;
+        }
+    }
+    true
+}
+
+/// Whether a policy name can appear in keys and metric names: `[a-z0-9_.-]`, 1..=64 bytes.
+pub fn is_valid_policy_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.')
+        })
+}
+
+/// The Redis Cluster hash tag of a key: its first part. All of one tenant's buckets (when the
+/// tenant is the first key part) therefore share a slot and can be decided in one script.
+pub fn hash_tag(key: &str) -> &str {
+    key.split(':').next().unwrap_or(key)
+}
+
+/// Redis key of a bucket: `tollgate:{<hash tag>}:<policy>:<key>`.
+pub fn redis_bucket_key(policy: &str, key: &str) -> String {
+    format!("{REDIS_PREFIX}:{{{}}}:{policy}:{key}", hash_tag(key))
+}
+
+/// Redis key of a lease's dedup record, in the same slot as its bucket:
+/// `tollgate:{<hash tag>}:lease:<escaped lease id>`.
+pub fn redis_lease_key(key: &str, lease_id: &str) -> String {
+    format!(
+        "{REDIS_PREFIX}:{{{}}}:lease:{}",
+        hash_tag(key),
+        escape_part(lease_id.as_bytes())
+    )
+}
+
+/// Local (filter) name of a bucket: `<policy>:<key>`.
+pub fn local_bucket_id(policy: &str, key: &str) -> String {
+    format!("{policy}:{key}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_slot_moving_and_separator_bytes() {
+        assert_eq!(escape_part(b"acme"), "acme");
+        assert_eq!(escape_part(b"a:b"), "a%3ab");
+        assert_eq!(escape_part(b"{x}"), "%7bx%7d");
+        assert_eq!(escape_part(b"#1"), "%231");
+        assert_eq!(escape_part(b"!anonymous"), "%21anonymous");
+        assert_eq!(escape_part(&[0, 255]), "%00%ff");
+        let long = escape_part(&[b'x'; 200]);
+        assert!(long.starts_with('#') && long.len() == 33);
+        assert_ne!(escape_part(&[b'x'; 200]), escape_part(&[b'x'; 201]));
+    }
+
+    #[test]
+    fn redis_keys_keep_the_tenant_as_hash_tag() {
+        let key = join_parts(&[escape_part(b"t{1}:x"), escape_part(b"GET /a")]);
+        let redis = redis_bucket_key("p", &key);
+        assert_eq!(redis, "tollgate:{t%7b1%7d%3ax}:p:t%7b1%7d%3ax:GET%20%2fa");
+        // Exactly one `{` and one `}`: the tag cannot be moved by input.
+        assert_eq!(redis.matches('{').count(), 1);
+        assert_eq!(redis.matches('}').count(), 1);
+        assert!(redis_lease_key(&key, "id{}").starts_with("tollgate:{t%7b1%7d%3ax}:lease:"));
+    }
+
+    #[test]
+    fn validates_wire_keys() {
+        assert!(validate_key("acme").is_ok());
+        assert!(validate_key("acme:GET%20%2fa").is_ok());
+        assert!(validate_key(ANONYMOUS_PART).is_ok());
+        assert!(validate_key(&escape_part(&[b'y'; 100])).is_ok());
+        for bad in [
+            "",
+            "a::b",
+            "a{b}",
+            "%zz",
+            "%4",
+            "#abc",
+            "a b",
+            "!x",
+            &"a:".repeat(9),
+        ] {
+            assert!(validate_key(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn policy_names() {
+        assert!(is_valid_policy_name("payments-per-tenant"));
+        assert!(!is_valid_policy_name("Payments"));
+        assert!(!is_valid_policy_name("a:b"));
+        assert!(!is_valid_policy_name(""));
+    }
+}

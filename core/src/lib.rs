@@ -1,0 +1,14 @@
+//! Tollgate's shared logic, compiled into both the proxy-wasm filter and the limiter service.
+//!
+//! Everything here is sans-IO: no proxy-wasm, no tokio, no clock reads. Time comes in as an
+//! argument (milliseconds), storage is the caller's business. That keeps the rules testable
+//! natively and on `wasm32-wasip1` alike.
+
+pub mod bucket;
+pub mod duration;
+pub mod identity;
+pub mod key;
+pub mod policy;
+pub mod protocol;
+pub mod response;
+pub mod route;

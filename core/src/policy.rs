@@ -1,0 +1,847 @@
+//! The policy document: serde types (`deny_unknown_fields`) and their validation into the
+//! compiled [`Policies`] both the filter and the limiter use.
+//!
+//! One JSON document is the source of truth. It is parsed and validated once, at load; every
+//! error names the policy (when known), the field path and the reason, and all errors of a
+//! document are reported together.
+
+use crate::bucket::Limits;
+use crate::duration::Millis;
+use crate::key::{self, digest_hex, is_valid_policy_name};
+use crate::route::RouteTemplate;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+
+// ---------------------------------------------------------------------------------------------
+// The document as written
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyDocument {
+    pub policies: Vec<PolicySpec>,
+    /// Where the filter reaches the limiter; required when any policy is `global`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limiter: Option<LimiterSpec>,
+    #[serde(default)]
+    pub local_table: LocalTableSpec,
+    #[serde(default)]
+    pub response: ResponseSpec,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    pub name: String,
+    #[serde(rename = "match", default)]
+    pub matcher: MatchSpec,
+    pub key: Vec<KeyPartSpec>,
+    #[serde(default)]
+    pub on_missing_key: OnMissingKey,
+    pub rate: RateSpec,
+    pub burst: u64,
+    /// Cost per route template (as written in `match.routes`); unlisted routes cost 1.
+    #[serde(default)]
+    pub cost: BTreeMap<String, u64>,
+    #[serde(default)]
+    pub scope: Scope,
+    #[serde(default)]
+    pub on_unavailable: FailureSpec,
+    /// `false`: shadow mode — decide and count, never deny.
+    #[serde(default = "default_true")]
+    pub enforce: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct MatchSpec {
+    /// `api.example.com`, `*.example.com`; empty: any host.
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    /// Route templates `METHOD /path/{param}` or `/path`; empty: any path.
+    #[serde(default)]
+    pub routes: Vec<String>,
+    /// Methods; empty: any.
+    #[serde(default)]
+    pub methods: Vec<String>,
+}
+
+/// One identity part of a bucket key.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum KeyPartSpec {
+    /// A request header set by a trusted component (e.g. an auth filter): `{"header": "x-tenant-id"}`.
+    Header(String),
+    /// A claim of a JWT verified by Envoy's `jwt_authn` (its `payload_in_metadata`).
+    JwtClaim(JwtClaimSpec),
+    /// The client IP: the socket peer (`trusted_hops: 0`), or from `X-Forwarded-For`.
+    ClientIp(ClientIpSpec),
+    /// An API key header, kept only as a SHA-256 digest.
+    ApiKey(String),
+    /// A constant: one bucket shared by every request the policy matches.
+    Constant(String),
+    /// The matched route template.
+    Route,
+    /// The request method.
+    Method,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtClaimSpec {
+    /// jwt_authn's `payload_in_metadata` name.
+    #[serde(default = "default_jwt_payload")]
+    pub payload: String,
+    /// Claim name, or a path into nested claims (`["org", "id"]`).
+    pub claim: ClaimPath,
+    /// Dynamic metadata namespace jwt_authn writes to.
+    #[serde(default = "default_jwt_namespace")]
+    pub namespace: String,
+}
+
+fn default_jwt_payload() -> String {
+    "jwt_payload".into()
+}
+
+fn default_jwt_namespace() -> String {
+    "envoy.filters.http.jwt_authn".into()
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum ClaimPath {
+    Name(String),
+    Path(Vec<String>),
+}
+
+impl ClaimPath {
+    pub fn segments(&self) -> Vec<&str> {
+        match self {
+            ClaimPath::Name(name) => vec![name.as_str()],
+            ClaimPath::Path(path) => path.iter().map(String::as_str).collect(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientIpSpec {
+    /// Trusted proxies in front of Envoy that append to `X-Forwarded-For`; 0 uses the socket peer.
+    #[serde(default)]
+    pub trusted_hops: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnMissingKey {
+    /// The policy does not apply to the request.
+    #[default]
+    Skip,
+    /// The request counts against one shared `anonymous` bucket.
+    Anonymous,
+    /// The request is refused with 403.
+    Deny,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateSpec {
+    pub units: u64,
+    pub per: Millis,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    /// Each Envoy instance enforces the policy on its own.
+    #[default]
+    Local,
+    /// One budget across all instances, owned by the limiter.
+    Global,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureModeName {
+    #[default]
+    Open,
+    Closed,
+    Local,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Terminal {
+    Open,
+    Closed,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailureSpec {
+    pub mode: FailureModeName,
+    /// `local` mode: the share of the policy rate this instance may use on its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<f64>,
+    /// `local` mode: how long the local budget may stand in for the limiter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale_ttl: Option<Millis>,
+    /// `local` mode: what happens after `stale_ttl`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub then: Option<Terminal>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimiterSpec {
+    /// Envoy cluster name of the limiter.
+    pub cluster: String,
+    /// Deadline of one callout.
+    #[serde(default = "default_limiter_timeout")]
+    pub timeout: Millis,
+    /// `:authority` of callouts.
+    #[serde(default = "default_limiter_authority")]
+    pub authority: String,
+}
+
+fn default_limiter_timeout() -> Millis {
+    Millis(25)
+}
+
+fn default_limiter_authority() -> String {
+    "tollgate-limiter".into()
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalTableSpec {
+    /// Slots in the filter's shared-data bucket table (bounds its memory).
+    #[serde(default = "default_slots")]
+    pub slots: u32,
+}
+
+impl Default for LocalTableSpec {
+    fn default() -> Self {
+        Self {
+            slots: default_slots(),
+        }
+    }
+}
+
+fn default_slots() -> u32 {
+    4096
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResponseSpec {
+    /// Also send `RateLimit-Policy`/`RateLimit` headers on allowed responses.
+    #[serde(default)]
+    pub ratelimit_headers_on_allow: bool,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+/// One problem in a policy document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyError {
+    /// The policy's name, when the problem is inside a named policy.
+    pub policy: Option<String>,
+    /// Path of the field, e.g. `policies[0].rate.per`.
+    pub field: String,
+    pub reason: String,
+}
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(policy) = &self.policy {
+            write!(f, "policy `{policy}`: ")?;
+        }
+        write!(f, "{}: {}", self.field, self.reason)
+    }
+}
+
+/// All problems found in a document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyErrors(pub Vec<PolicyError>);
+
+impl fmt::Display for PolicyErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, error) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{error}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for PolicyErrors {}
+
+// ---------------------------------------------------------------------------------------------
+// The compiled, validated form
+// ---------------------------------------------------------------------------------------------
+
+/// What to do when the global stage cannot decide.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FailureMode {
+    Open,
+    Closed,
+    Local {
+        share: f64,
+        stale_ttl_ms: u64,
+        then: Terminal,
+    },
+}
+
+/// An identity part, ready to be read from a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KeyPart {
+    Header(String),
+    JwtClaim {
+        path: Vec<String>,
+    },
+    ClientIp {
+        trusted_hops: u32,
+    },
+    ApiKey(String),
+    /// Already escaped.
+    Constant(String),
+    Route,
+    Method,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum HostPattern {
+    Any,
+    Exact(String),
+    /// `*.example.com` stored as `.example.com`.
+    Suffix(String),
+}
+
+impl HostPattern {
+    fn parse(text: &str) -> Result<Self, String> {
+        let lower = text.trim().to_ascii_lowercase();
+        if lower == "*" {
+            return Ok(HostPattern::Any);
+        }
+        let (pattern, name) = match lower.strip_prefix("*.") {
+            Some(rest) => (HostPattern::Suffix(format!(".{rest}")), rest.to_string()),
+            None => (HostPattern::Exact(lower.clone()), lower.clone()),
+        };
+        let valid = !name.is_empty()
+            && name.len() <= 253
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'));
+        if valid {
+            Ok(pattern)
+        } else {
+            Err(format!(
+                "`{text}` is not a host name or `*.domain` pattern (no ports, schemes or paths)"
+            ))
+        }
+    }
+
+    fn matches(&self, host: &str) -> bool {
+        match self {
+            HostPattern::Any => true,
+            HostPattern::Exact(name) => host == name,
+            HostPattern::Suffix(suffix) => {
+                host.len() > suffix.len() && host.ends_with(suffix.as_str())
+            }
+        }
+    }
+}
+
+/// Lower-cased host of an `:authority` value, without port.
+pub fn authority_host(authority: &str) -> String {
+    let authority = authority.trim();
+    let host = if let Some(rest) = authority.strip_prefix('[') {
+        rest.split(']').next().unwrap_or(rest)
+    } else {
+        authority.rsplit_once(':').map_or(authority, |(h, port)| {
+            if port.bytes().all(|b| b.is_ascii_digit()) {
+                h
+            } else {
+                authority
+            }
+        })
+    };
+    host.to_ascii_lowercase()
+}
+
+/// One validated policy.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub name: String,
+    hosts: Vec<HostPattern>,
+    routes: Vec<RouteTemplate>,
+    route_costs: Vec<u64>,
+    methods: Vec<String>,
+    pub key: Vec<KeyPart>,
+    pub on_missing_key: OnMissingKey,
+    pub units: u64,
+    pub per_ms: u64,
+    pub burst: u64,
+    pub limits: Limits,
+    pub scope: Scope,
+    pub failure: FailureMode,
+    pub enforce: bool,
+}
+
+/// A request matched by a policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteMatch<'a> {
+    /// The matched template, when the policy declares routes.
+    pub route: Option<&'a str>,
+    pub cost: u64,
+}
+
+impl Policy {
+    /// Whether the policy applies to a request, and at what cost. `host` is already lower-case
+    /// without port ([`authority_host`]).
+    pub fn match_request(&self, host: &str, method: &str, path: &str) -> Option<RouteMatch<'_>> {
+        if !self.hosts.is_empty() && !self.hosts.iter().any(|h| h.matches(host)) {
+            return None;
+        }
+        if !self.methods.is_empty() && !self.methods.iter().any(|m| m == method) {
+            return None;
+        }
+        if self.routes.is_empty() {
+            return Some(RouteMatch {
+                route: None,
+                cost: 1,
+            });
+        }
+        self.routes
+            .iter()
+            .zip(&self.route_costs)
+            .find(|(route, _)| route.matches(method, path))
+            .map(|(route, cost)| RouteMatch {
+                route: Some(route.as_str()),
+                cost: *cost,
+            })
+    }
+
+    /// Whether any key part needs the client's identity (as opposed to constants, route, method).
+    pub fn needs_identity(&self) -> bool {
+        self.key.iter().any(|p| {
+            matches!(
+                p,
+                KeyPart::Header(_)
+                    | KeyPart::JwtClaim { .. }
+                    | KeyPart::ClientIp { .. }
+                    | KeyPart::ApiKey(_)
+            )
+        })
+    }
+}
+
+/// A validated document.
+#[derive(Debug, Clone)]
+pub struct Policies {
+    /// First 12 hex digits of SHA-256 over the canonical document.
+    pub version: String,
+    pub policies: Vec<Policy>,
+    pub limiter: Option<LimiterSpec>,
+    pub local_table: LocalTableSpec,
+    pub response: ResponseSpec,
+}
+
+impl Policies {
+    /// Parses and validates a document; all problems are reported at once.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, PolicyErrors> {
+        let value: Value = serde_json::from_slice(bytes).map_err(|e| {
+            PolicyErrors(vec![PolicyError {
+                policy: None,
+                field: "(document)".into(),
+                reason: format!("not valid JSON: {e}"),
+            }])
+        })?;
+        let version = digest_hex(value.to_string().as_bytes(), 6);
+        let document: PolicyDocument = serde_path_to_error::deserialize(&value).map_err(|e| {
+            let field = e.path().to_string();
+            PolicyErrors(vec![PolicyError {
+                policy: policy_name_at(&value, &field),
+                field,
+                reason: e.into_inner().to_string(),
+            }])
+        })?;
+        compile(document, version)
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Policy> {
+        self.policies.iter().find(|p| p.name == name)
+    }
+}
+
+/// The `name` of the policy a field path (`policies[3].rate`) points into, if any.
+fn policy_name_at(value: &Value, field: &str) -> Option<String> {
+    let index: usize = field
+        .strip_prefix("policies[")?
+        .split(']')
+        .next()?
+        .parse()
+        .ok()?;
+    value
+        .get("policies")?
+        .get(index)?
+        .get("name")?
+        .as_str()
+        .map(str::to_string)
+}
+
+struct Collector {
+    errors: Vec<PolicyError>,
+}
+
+impl Collector {
+    fn push(&mut self, policy: Option<&str>, field: String, reason: impl Into<String>) {
+        self.errors.push(PolicyError {
+            policy: policy.map(str::to_string),
+            field,
+            reason: reason.into(),
+        });
+    }
+}
+
+const MAX_POLICIES: usize = 1024;
+const MAX_UNITS: u64 = 1_000_000_000_000;
+const MAX_BURST: u64 = 1_000_000_000;
+
+fn compile(document: PolicyDocument, version: String) -> Result<Policies, PolicyErrors> {
+    let mut errors = Collector { errors: Vec::new() };
+    if document.policies.len() > MAX_POLICIES {
+        errors.push(
+            None,
+            "policies".into(),
+            format!("more than {MAX_POLICIES} policies"),
+        );
+    }
+    let mut names = HashSet::new();
+    let mut policies = Vec::new();
+    for (index, spec) in document.policies.iter().enumerate() {
+        if !names.insert(spec.name.as_str()) {
+            errors.push(
+                Some(&spec.name),
+                format!("policies[{index}].name"),
+                "duplicate policy name",
+            );
+        }
+        if let Some(policy) = compile_policy(index, spec, &mut errors) {
+            policies.push(policy);
+        }
+    }
+    let has_global = policies.iter().any(|p| p.scope == Scope::Global);
+    match &document.limiter {
+        Some(limiter) => {
+            if limiter.cluster.trim().is_empty() {
+                errors.push(
+                    None,
+                    "limiter.cluster".into(),
+                    "must name the Envoy cluster of the limiter",
+                );
+            }
+            if limiter.timeout.0 == 0 || limiter.timeout.0 > 60_000 {
+                errors.push(
+                    None,
+                    "limiter.timeout".into(),
+                    "must be between 1ms and 60s",
+                );
+            }
+            if limiter.authority.trim().is_empty() {
+                errors.push(None, "limiter.authority".into(), "must not be empty");
+            }
+        }
+        None if has_global => errors.push(
+            None,
+            "limiter".into(),
+            "required when a policy has scope `global` (the Envoy cluster of the limiter)",
+        ),
+        None => {}
+    }
+    let slots = document.local_table.slots;
+    if !(16..=1 << 20).contains(&slots) {
+        errors.push(
+            None,
+            "local_table.slots".into(),
+            "must be between 16 and 1048576",
+        );
+    }
+    if !errors.errors.is_empty() {
+        return Err(PolicyErrors(errors.errors));
+    }
+    Ok(Policies {
+        version,
+        policies,
+        limiter: document.limiter,
+        local_table: document.local_table,
+        response: document.response,
+    })
+}
+
+fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Option<Policy> {
+    let before = errors.errors.len();
+    let at = |field: &str| format!("policies[{index}].{field}");
+    let name = Some(spec.name.as_str());
+    if !is_valid_policy_name(&spec.name) {
+        errors.push(
+            name,
+            at("name"),
+            "must be 1-64 characters of a-z, 0-9, `-`, `_`, `.`",
+        );
+    }
+
+    let mut hosts = Vec::new();
+    for (i, host) in spec.matcher.hosts.iter().enumerate() {
+        match HostPattern::parse(host) {
+            Ok(h) => hosts.push(h),
+            Err(reason) => errors.push(name, at(&format!("match.hosts[{i}]")), reason),
+        }
+    }
+    let mut routes = Vec::new();
+    for (i, route) in spec.matcher.routes.iter().enumerate() {
+        match RouteTemplate::parse(route) {
+            Ok(r) => routes.push(r),
+            Err(reason) => errors.push(name, at(&format!("match.routes[{i}]")), reason),
+        }
+    }
+    let mut methods = Vec::new();
+    for (i, method) in spec.matcher.methods.iter().enumerate() {
+        if method.is_empty() || method.len() > 16 || !method.bytes().all(|b| b.is_ascii_uppercase())
+        {
+            errors.push(
+                name,
+                at(&format!("match.methods[{i}]")),
+                format!("`{method}` is not an upper-case HTTP method"),
+            );
+        } else {
+            methods.push(method.clone());
+        }
+    }
+
+    if spec.key.is_empty() {
+        errors.push(
+            name,
+            at("key"),
+            "needs at least one part (use {\"constant\": \"all\"} for one shared bucket)",
+        );
+    }
+    if spec.key.len() > key::MAX_PARTS {
+        errors.push(name, at("key"), format!("at most {} parts", key::MAX_PARTS));
+    }
+    let mut key = Vec::new();
+    for (i, part) in spec.key.iter().enumerate() {
+        let field = at(&format!("key[{i}]"));
+        match part {
+            KeyPartSpec::Header(h) | KeyPartSpec::ApiKey(h) => {
+                if !is_header_name(h) {
+                    errors.push(
+                        name,
+                        field,
+                        format!("`{h}` is not a lower-case header name"),
+                    );
+                } else if matches!(part, KeyPartSpec::Header(_)) {
+                    key.push(KeyPart::Header(h.clone()));
+                } else {
+                    key.push(KeyPart::ApiKey(h.clone()));
+                }
+            }
+            KeyPartSpec::JwtClaim(claim) => {
+                let segments = claim.claim.segments();
+                if segments.is_empty() || segments.iter().any(|s| s.is_empty()) {
+                    errors.push(
+                        name,
+                        format!("{field}.jwt_claim.claim"),
+                        "must name a claim",
+                    );
+                } else if claim.payload.is_empty() || claim.namespace.is_empty() {
+                    errors.push(
+                        name,
+                        format!("{field}.jwt_claim"),
+                        "payload and namespace must not be empty",
+                    );
+                } else {
+                    let mut path = vec![
+                        "metadata".to_string(),
+                        "filter_metadata".to_string(),
+                        claim.namespace.clone(),
+                        claim.payload.clone(),
+                    ];
+                    path.extend(segments.iter().map(|s| s.to_string()));
+                    key.push(KeyPart::JwtClaim { path });
+                }
+            }
+            KeyPartSpec::ClientIp(ip) => {
+                if ip.trusted_hops > crate::identity::MAX_TRUSTED_HOPS {
+                    errors.push(
+                        name,
+                        format!("{field}.client_ip.trusted_hops"),
+                        format!("at most {}", crate::identity::MAX_TRUSTED_HOPS),
+                    );
+                } else {
+                    key.push(KeyPart::ClientIp {
+                        trusted_hops: ip.trusted_hops,
+                    });
+                }
+            }
+            KeyPartSpec::Constant(value) => {
+                if value.is_empty() {
+                    errors.push(name, field, "constant must not be empty");
+                } else {
+                    key.push(KeyPart::Constant(key::escape_part(value.as_bytes())));
+                }
+            }
+            KeyPartSpec::Route => {
+                if spec.matcher.routes.is_empty() {
+                    errors.push(
+                        name,
+                        field,
+                        "`route` needs `match.routes` (unmatched paths never become keys)",
+                    );
+                } else {
+                    key.push(KeyPart::Route);
+                }
+            }
+            KeyPartSpec::Method => key.push(KeyPart::Method),
+        }
+    }
+
+    if spec.rate.units == 0 || spec.rate.units > MAX_UNITS {
+        errors.push(
+            name,
+            at("rate.units"),
+            format!("must be between 1 and {MAX_UNITS}"),
+        );
+    }
+    if spec.rate.per.0 == 0 {
+        errors.push(name, at("rate.per"), "must be longer than 0ms");
+    }
+    if spec.burst == 0 || spec.burst > MAX_BURST {
+        errors.push(
+            name,
+            at("burst"),
+            format!("must be between 1 and {MAX_BURST}"),
+        );
+    }
+
+    let mut route_costs = vec![1; routes.len()];
+    for (template, cost) in &spec.cost {
+        let field = at(&format!("cost[\"{template}\"]"));
+        let canonical = RouteTemplate::parse(template).map(|t| t.as_str().to_string());
+        let position = canonical
+            .as_ref()
+            .ok()
+            .and_then(|c| routes.iter().position(|r| r.as_str() == c));
+        match position {
+            None => errors.push(name, field, "names no route of `match.routes`"),
+            Some(_) if *cost == 0 => errors.push(name, field, "must be at least 1"),
+            Some(_) if *cost > spec.burst => errors.push(
+                name,
+                field,
+                format!(
+                    "{cost} is more than the burst ({}): such a request could never pass",
+                    spec.burst
+                ),
+            ),
+            Some(i) => {
+                if let Some(slot) = route_costs.get_mut(i) {
+                    *slot = *cost;
+                }
+            }
+        }
+    }
+
+    let failure = match compile_failure(&spec.on_unavailable) {
+        Ok(f) => Some(f),
+        Err((field, reason)) => {
+            errors.push(name, at(&format!("on_unavailable.{field}")), reason);
+            None
+        }
+    };
+
+    let limits = Limits::new(spec.rate.units, spec.rate.per.0, spec.burst);
+    if errors.errors.len() > before {
+        return None;
+    }
+    Some(Policy {
+        name: spec.name.clone(),
+        hosts,
+        routes,
+        route_costs,
+        methods,
+        key,
+        on_missing_key: spec.on_missing_key,
+        units: spec.rate.units,
+        per_ms: spec.rate.per.0,
+        burst: spec.burst,
+        limits: limits?,
+        scope: spec.scope,
+        failure: failure?,
+        enforce: spec.enforce,
+    })
+}
+
+fn compile_failure(spec: &FailureSpec) -> Result<FailureMode, (&'static str, String)> {
+    match spec.mode {
+        FailureModeName::Open | FailureModeName::Closed => {
+            if spec.share.is_some() || spec.stale_ttl.is_some() || spec.then.is_some() {
+                return Err((
+                    "mode",
+                    "`share`, `stale_ttl` and `then` belong to mode `local`".into(),
+                ));
+            }
+            Ok(if spec.mode == FailureModeName::Open {
+                FailureMode::Open
+            } else {
+                FailureMode::Closed
+            })
+        }
+        FailureModeName::Local => {
+            let share = spec.share.ok_or((
+                "share",
+                "mode `local` needs `share` (0 < share ≤ 1)".to_string(),
+            ))?;
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(("share", format!("{share} is not in (0, 1]")));
+            }
+            let ttl = spec.stale_ttl.ok_or((
+                "stale_ttl",
+                "mode `local` needs `stale_ttl`, e.g. \"30s\"".to_string(),
+            ))?;
+            if ttl.0 == 0 {
+                return Err(("stale_ttl", "must be longer than 0ms".into()));
+            }
+            let then = spec.then.ok_or((
+                "then",
+                "mode `local` needs `then`: `open` or `closed`".to_string(),
+            ))?;
+            Ok(FailureMode::Local {
+                share,
+                stale_ttl_ms: ttl.0,
+                then,
+            })
+        }
+    }
+}
+
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.')
+        })
+}
+
+#[cfg(test)]
+mod tests;

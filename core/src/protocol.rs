@@ -1,0 +1,180 @@
+//! The callout protocol between the filter and the limiter (JSON over HTTP).
+//!
+//! `POST /v1/leases` takes a batch of lease requests and answers one result per item;
+//! `POST /v1/leases/return` gives back unused tokens of leases, once per lease id.
+//! A store the limiter cannot reach makes the whole batch `503 {"error":"UNAVAILABLE"}`.
+
+use serde::{Deserialize, Serialize};
+
+/// Path of the lease call.
+pub const LEASES_PATH: &str = "/v1/leases";
+/// Path of the return call.
+pub const RETURNS_PATH: &str = "/v1/leases/return";
+/// Most items in one batch.
+pub const MAX_BATCH: usize = 256;
+/// Largest request body the limiter reads.
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
+/// Longest lease id.
+pub const MAX_LEASE_ID_BYTES: usize = 128;
+
+/// Outcome classes, distinct everywhere (metrics, logs, API).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ErrorCode {
+    /// The limiter could not decide (store unreachable, timeout).
+    Unavailable,
+    /// The policy is unknown to the limiter, or the descriptor does not fit it.
+    InvalidPolicy,
+    /// The request itself is malformed (bad amounts, bad key, bad id).
+    InvalidRequest,
+}
+
+impl ErrorCode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ErrorCode::Unavailable => "UNAVAILABLE",
+            ErrorCode::InvalidPolicy => "INVALID_POLICY",
+            ErrorCode::InvalidRequest => "INVALID_REQUEST",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseBatch {
+    pub leases: Vec<LeaseRequest>,
+}
+
+/// Ask for `granted ∈ {0} ∪ [min, want]` tokens of bucket (`policy`, `key`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseRequest {
+    /// Unique per logical request; a retry with the same id is applied once.
+    pub id: String,
+    pub policy: String,
+    /// Escaped key as built by [`crate::key`].
+    pub key: String,
+    pub min: u64,
+    pub want: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseBatchResponse {
+    pub leases: Vec<LeaseResult>,
+    pub policy_version: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LeaseResult {
+    Granted(LeaseGranted),
+    Error(LeaseError),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseGranted {
+    pub id: String,
+    /// `0` (denied) or within `[min, want]`.
+    pub granted: u64,
+    /// Tokens left in the global bucket after this grant (fractional).
+    pub remaining: f64,
+    /// When `granted == 0`: how long until `min` tokens are there.
+    pub retry_after_ms: u64,
+    /// How long the lease may be spent before its tokens count as expired.
+    pub expires_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseError {
+    pub id: String,
+    pub error: ErrorCode,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReturnBatch {
+    pub returns: Vec<LeaseReturn>,
+}
+
+/// Give back `unused` tokens of lease `id` (which was drawn from bucket `policy`/`key`:
+/// needed to find the lease's dedup record in the bucket's slot).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseReturn {
+    pub id: String,
+    pub policy: String,
+    pub key: String,
+    pub unused: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReturnBatchResponse {
+    pub returns: Vec<ReturnResult>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ReturnResult {
+    /// `returned` tokens went back (0 when the lease was already returned or unknown).
+    Returned {
+        id: String,
+        returned: u64,
+    },
+    Error(LeaseError),
+}
+
+/// Body of a batch-level error (`503 UNAVAILABLE`, `400` with a reason).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchError {
+    pub error: ErrorCode,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_results_round_trip() {
+        let json = r#"{"leases":[{"id":"a","granted":5,"remaining":12.5,"retry_after_ms":0,"expires_ms":2000},{"id":"b","error":"INVALID_POLICY"}],"policy_version":"abc"}"#;
+        let parsed: LeaseBatchResponse = serde_json::from_str(json).unwrap();
+        assert!(matches!(
+            parsed.leases[0],
+            LeaseResult::Granted(LeaseGranted { granted: 5, .. })
+        ));
+        assert!(matches!(
+            parsed.leases[1],
+            LeaseResult::Error(LeaseError {
+                error: ErrorCode::InvalidPolicy,
+                ..
+            })
+        ));
+        let again: LeaseBatchResponse =
+            serde_json::from_str(&serde_json::to_string(&parsed).unwrap()).unwrap();
+        assert_eq!(again, parsed);
+    }
+
+    #[test]
+    fn requests_reject_unknown_fields_and_negative_amounts() {
+        assert!(serde_json::from_str::<LeaseBatch>(
+            r#"{"leases":[{"id":"a","policy":"p","key":"k","min":1,"want":2,"x":1}]}"#
+        )
+        .is_err());
+        assert!(serde_json::from_str::<LeaseBatch>(
+            r#"{"leases":[{"id":"a","policy":"p","key":"k","min":-1,"want":2}]}"#
+        )
+        .is_err());
+        assert!(serde_json::from_str::<LeaseBatch>(
+            r#"{"leases":[{"id":"a","policy":"p","key":"k","min":1.5,"want":2}]}"#
+        )
+        .is_err());
+    }
+}
