@@ -56,6 +56,11 @@ pub struct LeaseRequest {
     pub key: String,
     pub min: u64,
     pub want: u64,
+    /// Items of one batch with the same `group` are granted all-or-nothing (each at least its
+    /// `min`) in one atomic step; their keys must share a hash tag (the first key part), so a
+    /// tenant-wide and a route limit of one tenant are decided together even on a cluster.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
