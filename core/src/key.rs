@@ -130,12 +130,13 @@ fn is_valid_part(part: &str) -> bool {
     true
 }
 
-/// Whether a policy name can appear in keys and metric names: `[a-z0-9_.-]`, 1..=64 bytes.
+/// Whether a policy name can appear in keys and metric names: `[a-z0-9_-]`, 1..=64 bytes
+/// (no `.`: Envoy's stats tag extraction splits metric names on it).
 pub fn is_valid_policy_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
         && name.bytes().all(|b| {
-            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.')
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_')
         })
 }
 
@@ -219,6 +220,7 @@ mod tests {
         assert!(is_valid_policy_name("payments-per-tenant"));
         assert!(!is_valid_policy_name("Payments"));
         assert!(!is_valid_policy_name("a:b"));
+        assert!(!is_valid_policy_name("a.b"));
         assert!(!is_valid_policy_name(""));
     }
 }

@@ -598,7 +598,7 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         errors.push(
             name,
             at("name"),
-            "must be 1-64 characters of a-z, 0-9, `-`, `_`, `.`",
+            "must be 1-64 characters of a-z, 0-9, `-`, `_`",
         );
     }
 
