@@ -1,0 +1,288 @@
+use super::*;
+use crate::shared::MemorySharedData;
+use std::collections::HashMap;
+
+#[derive(Default)]
+struct Req {
+    headers: HashMap<String, Vec<u8>>,
+}
+
+impl RequestSource for Req {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.headers.get(name).cloned()
+    }
+    fn property(&self, _path: &[&str]) -> Option<Vec<u8>> {
+        None
+    }
+}
+
+fn tenant(id: &str) -> Req {
+    let mut req = Req::default();
+    req.headers
+        .insert("x-tenant-id".into(), id.as_bytes().to_vec());
+    req
+}
+
+fn facts(method: &str, path: &str) -> RequestFacts {
+    RequestFacts {
+        method: method.into(),
+        path: path.into(),
+        host: "api.example.com".into(),
+    }
+}
+
+fn engine(doc: &str, store: &MemorySharedData, slots: u32) -> Engine {
+    let policies = Policies::from_json(doc.as_bytes()).unwrap();
+    check_supported(&policies).unwrap();
+    let table = SlotTable::open(store, SHARED_PREFIX, slots, 1).unwrap();
+    Engine::new(policies, table)
+}
+
+const PAYMENTS: &str = include_str!("../../policies/payments.json");
+
+fn header<'a>(reply: &'a LocalReply, name: &str) -> &'a str {
+    reply
+        .headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .unwrap()
+}
+
+#[test]
+fn payments_transfers_cost_five_and_the_429_is_complete() {
+    let store = MemorySharedData::default();
+    let e = engine(PAYMENTS, &store, 64);
+    let transfer = facts("POST", "/payments/transfers");
+    for _ in 0..4 {
+        let ev = e.evaluate(&transfer, &tenant("acme"), &store, 1_000);
+        assert_eq!(ev.reply, None);
+        assert_eq!(ev.outcomes, vec![(0, Outcome::Allowed)]);
+        assert!(
+            header_of(&ev.response_headers, "ratelimit").starts_with("\"payments-per-tenant\";r=")
+        );
+    }
+    let ev = e.evaluate(&transfer, &tenant("acme"), &store, 1_000);
+    let reply = ev.reply.unwrap();
+    assert_eq!(reply.status, 429);
+    assert_eq!(header(&reply, "retry-after"), "1");
+    assert_eq!(
+        header(&reply, "ratelimit-policy"),
+        "\"payments-per-tenant\";q=100;w=1"
+    );
+    assert_eq!(
+        header(&reply, "ratelimit"),
+        "\"payments-per-tenant\";r=0;t=1"
+    );
+    assert_eq!(
+        reply.body,
+        r#"{"error":"rate limit exceeded","policy":"payments-per-tenant","retry_after_seconds":1}"#
+    );
+    assert!(!reply.body.contains("acme"));
+    assert_eq!(ev.outcomes, vec![(0, Outcome::Denied)]);
+    // A status lookup (1 unit) is also refused until tokens refill (10 ms per unit).
+    let lookup = facts("GET", "/payments/transfers/tx-9");
+    assert!(e
+        .evaluate(&lookup, &tenant("acme"), &store, 1_000)
+        .reply
+        .is_some());
+    assert!(e
+        .evaluate(&lookup, &tenant("acme"), &store, 1_010)
+        .reply
+        .is_none());
+}
+
+fn header_of<'a>(headers: &'a [(String, String)], name: &str) -> &'a str {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .unwrap()
+}
+
+#[test]
+fn tenants_never_share_state_and_unmatched_requests_create_nothing() {
+    let store = MemorySharedData::default();
+    let e = engine(PAYMENTS, &store, 64);
+    let transfer = facts("POST", "/payments/transfers");
+    for _ in 0..4 {
+        assert!(e
+            .evaluate(&transfer, &tenant("a"), &store, 0)
+            .reply
+            .is_none());
+    }
+    assert!(e
+        .evaluate(&transfer, &tenant("a"), &store, 0)
+        .reply
+        .is_some());
+    assert!(e
+        .evaluate(&transfer, &tenant("b"), &store, 0)
+        .reply
+        .is_none());
+    let before = store.bytes();
+    for path in ["/payments/other", "/payments/transfers/1/x", "/"] {
+        let ev = e.evaluate(&facts("POST", path), &tenant("c"), &store, 0);
+        assert!(ev.outcomes.is_empty() && ev.reply.is_none());
+    }
+    let other_host = RequestFacts {
+        host: "evil.example.com".into(),
+        ..transfer
+    };
+    assert!(e
+        .evaluate(&other_host, &tenant("c"), &store, 0)
+        .outcomes
+        .is_empty());
+    assert_eq!(store.bytes(), before);
+}
+
+#[test]
+fn missing_identity_denies_with_403_skips_or_goes_anonymous() {
+    let store = MemorySharedData::default();
+    let e = engine(PAYMENTS, &store, 64);
+    let ev = e.evaluate(
+        &facts("POST", "/payments/transfers"),
+        &Req::default(),
+        &store,
+        0,
+    );
+    assert_eq!(ev.reply.unwrap().status, 403);
+    assert_eq!(ev.outcomes, vec![(0, Outcome::IdentityMissing)]);
+
+    let skip = PAYMENTS.replace("\"deny\"", "\"skip\"");
+    let e = engine(&skip, &store, 64);
+    let ev = e.evaluate(
+        &facts("POST", "/payments/transfers"),
+        &Req::default(),
+        &store,
+        0,
+    );
+    assert!(ev.reply.is_none() && ev.outcomes.is_empty());
+
+    let anonymous = PAYMENTS.replace("\"deny\"", "\"anonymous\"");
+    let store = MemorySharedData::default();
+    let e = engine(&anonymous, &store, 64);
+    for _ in 0..4 {
+        assert!(e
+            .evaluate(
+                &facts("POST", "/payments/transfers"),
+                &Req::default(),
+                &store,
+                0
+            )
+            .reply
+            .is_none());
+    }
+    // All anonymous requests share one bucket...
+    assert!(e
+        .evaluate(
+            &facts("POST", "/payments/transfers"),
+            &Req::default(),
+            &store,
+            0
+        )
+        .reply
+        .is_some());
+    // ...which no tenant can name.
+    assert!(e
+        .evaluate(
+            &facts("POST", "/payments/transfers"),
+            &tenant("!anonymous"),
+            &store,
+            0
+        )
+        .reply
+        .is_none());
+}
+
+#[test]
+fn shadow_mode_admits_and_counts() {
+    let store = MemorySharedData::default();
+    let shadow = PAYMENTS.replace("\"enforce\": true", "\"enforce\": false");
+    let e = engine(&shadow, &store, 64);
+    let mut shadow_denied = 0;
+    for _ in 0..10 {
+        let ev = e.evaluate(
+            &facts("POST", "/payments/transfers"),
+            &tenant("a"),
+            &store,
+            0,
+        );
+        assert!(ev.reply.is_none());
+        if ev.outcomes == vec![(0, Outcome::ShadowDenied)] {
+            shadow_denied += 1;
+        }
+    }
+    assert_eq!(shadow_denied, 6);
+}
+
+const TWO_POLICIES: &str = r#"{"policies":[
+  {"name":"tenant-wide","key":[{"header":"x-tenant-id"}],"rate":{"units":1,"per":"1h"},"burst":10},
+  {"name":"exports","match":{"routes":["POST /exports"]},"key":[{"header":"x-tenant-id"},"route"],
+   "rate":{"units":1,"per":"1h"},"burst":2}
+]}"#;
+
+#[test]
+fn two_policies_are_all_or_nothing() {
+    let store = MemorySharedData::default();
+    let e = engine(TWO_POLICIES, &store, 64);
+    let export = facts("POST", "/exports");
+    assert!(e.evaluate(&export, &tenant("a"), &store, 0).reply.is_none());
+    assert!(e.evaluate(&export, &tenant("a"), &store, 0).reply.is_none());
+    let ev = e.evaluate(&export, &tenant("a"), &store, 0);
+    let reply = ev.reply.unwrap();
+    assert_eq!(reply.status, 429);
+    assert!(reply.body.contains("\"policy\":\"exports\""));
+    assert_eq!(ev.outcomes, vec![(1, Outcome::Denied)]);
+    // Denied exports took nothing tenant-wide: 8 more other requests pass.
+    for _ in 0..8 {
+        assert!(e
+            .evaluate(&facts("GET", "/x"), &tenant("a"), &store, 0)
+            .reply
+            .is_none());
+    }
+    assert!(e
+        .evaluate(&facts("GET", "/x"), &tenant("a"), &store, 0)
+        .reply
+        .is_some());
+}
+
+#[test]
+fn a_full_table_applies_the_failure_mode() {
+    let closed = PAYMENTS.to_string();
+    let open = PAYMENTS.replace("{ \"mode\": \"closed\" }", "{ \"mode\": \"open\" }");
+    assert_ne!(closed, open);
+    for (doc, expect_closed) in [(closed, true), (open, false)] {
+        let store = MemorySharedData::default();
+        let e = engine(&doc, &store, 16);
+        let transfer = facts("POST", "/payments/transfers");
+        let mut undecided = 0;
+        for t in 0..200 {
+            let ev = e.evaluate(&transfer, &tenant(&t.to_string()), &store, 0);
+            if ev.table_error.is_some() {
+                undecided += 1;
+                assert_eq!(ev.table_error, Some(TableError::Full));
+                if expect_closed {
+                    assert_eq!(ev.reply.as_ref().unwrap().status, 503);
+                    assert_eq!(ev.outcomes, vec![(0, Outcome::FailClosed)]);
+                } else {
+                    assert!(ev.reply.is_none());
+                    assert_eq!(ev.outcomes, vec![(0, Outcome::FailOpen)]);
+                }
+            }
+        }
+        assert_eq!(undecided, 200 - 16);
+    }
+}
+
+#[test]
+fn global_policies_are_refused_by_this_build() {
+    let doc = PAYMENTS
+        .replace("\"scope\": \"local\"", "\"scope\": \"global\"")
+        .replace(
+            "\"response\"",
+            "\"limiter\": {\"cluster\": \"tollgate_limiter\"}, \"response\"",
+        );
+    let policies = Policies::from_json(doc.as_bytes()).unwrap();
+    let error = check_supported(&policies).unwrap_err();
+    assert!(error.contains("policies[0].scope"), "{error}");
+}

@@ -1,0 +1,234 @@
+//! What the filter reads from a request, and how a policy's key is built from it.
+//!
+//! Only trusted data becomes a key: the configured header, the verified JWT claim from
+//! `jwt_authn` metadata, the socket peer (or the configured hop of `X-Forwarded-For`), a digest
+//! of the API key, the matched route *template*. Every part is escaped or digested by
+//! `tollgate_core::key`, so no byte sequence can reach another tenant's bucket, and a key's size
+//! is bounded whatever the request carries.
+
+use tollgate_core::identity::{api_key_digest, ip_from_forwarded_for, ip_from_socket_address};
+use tollgate_core::key::{escape_part, join_parts, ANONYMOUS_PART};
+use tollgate_core::policy::{KeyPart, Policy};
+
+/// Read access to the request being decided.
+pub trait RequestSource {
+    /// First value of a request header (lower-case name), raw bytes.
+    fn header(&self, name: &str) -> Option<Vec<u8>>;
+    /// A host property (`["source", "address"]`, jwt_authn metadata, ...), raw bytes.
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
+}
+
+/// The request line facts every policy matches on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestFacts {
+    pub method: String,
+    /// Raw `:path` (query included; matching cuts it).
+    pub path: String,
+    /// `:authority` host, lower-case, without port.
+    pub host: String,
+}
+
+/// The key of a policy for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicyKey {
+    Key(String),
+    /// An identity part is absent (or unusable, like an X-Forwarded-For entry that is no IP).
+    Missing,
+}
+
+/// Builds the policy's key. With `anonymous`, absent identity parts become the shared
+/// anonymous part instead of making the key [`PolicyKey::Missing`].
+pub fn build_key(
+    policy: &Policy,
+    route: Option<&str>,
+    facts: &RequestFacts,
+    source: &impl RequestSource,
+    anonymous: bool,
+) -> PolicyKey {
+    let mut parts = Vec::with_capacity(policy.key.len());
+    for part in &policy.key {
+        let value = match part {
+            KeyPart::Header(name) => source
+                .header(name)
+                .filter(|v| !v.is_empty())
+                .map(|v| escape_part(&v)),
+            KeyPart::ApiKey(name) => source
+                .header(name)
+                .filter(|v| !v.is_empty())
+                .map(|v| escape_part(api_key_digest(&v).as_bytes())),
+            KeyPart::JwtClaim { path } => {
+                let path: Vec<&str> = path.iter().map(String::as_str).collect();
+                source
+                    .property(&path)
+                    .filter(|v| !v.is_empty())
+                    .map(|v| escape_part(&v))
+            }
+            KeyPart::ClientIp { trusted_hops: 0 } => source
+                .property(&["source", "address"])
+                .and_then(|a| ip_from_socket_address(&String::from_utf8_lossy(&a)))
+                .map(|ip| escape_part(ip.to_string().as_bytes())),
+            KeyPart::ClientIp { trusted_hops } => source
+                .header("x-forwarded-for")
+                .and_then(|xff| {
+                    ip_from_forwarded_for(&String::from_utf8_lossy(&xff), *trusted_hops)
+                })
+                .map(|ip| escape_part(ip.to_string().as_bytes())),
+            KeyPart::Constant(escaped) => Some(escaped.clone()),
+            KeyPart::Route => route.map(|r| escape_part(r.as_bytes())),
+            KeyPart::Method => Some(escape_part(facts.method.as_bytes())),
+        };
+        match value {
+            Some(value) => parts.push(value),
+            None if anonymous => parts.push(ANONYMOUS_PART.to_string()),
+            None => return PolicyKey::Missing,
+        }
+    }
+    PolicyKey::Key(join_parts(&parts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use tollgate_core::key::validate_key;
+    use tollgate_core::policy::Policies;
+
+    #[derive(Default)]
+    struct Fake {
+        headers: HashMap<String, Vec<u8>>,
+        properties: HashMap<String, Vec<u8>>,
+    }
+
+    impl RequestSource for Fake {
+        fn header(&self, name: &str) -> Option<Vec<u8>> {
+            self.headers.get(name).cloned()
+        }
+        fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+            self.properties.get(&path.join("/")).cloned()
+        }
+    }
+
+    fn policy(key: &str) -> Policies {
+        Policies::from_json(
+            format!(
+                r#"{{"policies":[{{"name":"p","match":{{"routes":["GET /items/{{id}}"]}},"key":{key},"rate":{{"units":1,"per":"1s"}},"burst":1}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    fn facts() -> RequestFacts {
+        RequestFacts {
+            method: "GET".into(),
+            path: "/items/42?x=1".into(),
+            host: "api".into(),
+        }
+    }
+
+    #[test]
+    fn header_route_and_method_parts() {
+        let p = policy(r#"[{"header":"x-tenant-id"},"route","method"]"#);
+        let mut src = Fake::default();
+        src.headers.insert("x-tenant-id".into(), b"acme".to_vec());
+        let key = build_key(
+            &p.policies[0],
+            Some("GET /items/{id}"),
+            &facts(),
+            &src,
+            false,
+        );
+        assert_eq!(
+            key,
+            PolicyKey::Key("acme:GET%20%2fitems%2f%7bid%7d:GET".into())
+        );
+    }
+
+    #[test]
+    fn hostile_headers_become_bounded_valid_keys() {
+        let p = policy(r#"[{"header":"x-tenant-id"}]"#);
+        for hostile in [
+            b"{tenant-b}:x".to_vec(),
+            vec![0xff, 0x00, b':', b'{'],
+            vec![b'a'; 65_536],
+            b"!anonymous".to_vec(),
+            b"#0123456789abcdef0123456789abcdef".to_vec(),
+        ] {
+            let mut src = Fake::default();
+            src.headers.insert("x-tenant-id".into(), hostile.clone());
+            let PolicyKey::Key(key) = build_key(&p.policies[0], None, &facts(), &src, false) else {
+                panic!("missing");
+            };
+            assert!(validate_key(&key).is_ok(), "{key}");
+            assert!(key.len() <= 64);
+            assert!(!key.contains(['{', '}', ':']));
+            assert_ne!(key, ANONYMOUS_PART);
+        }
+    }
+
+    #[test]
+    fn missing_identity_is_missing_or_anonymous() {
+        let p = policy(r#"[{"header":"x-tenant-id"},"route"]"#);
+        let src = Fake::default();
+        let policy = &p.policies[0];
+        assert_eq!(
+            build_key(policy, Some("GET /items/{id}"), &facts(), &src, false),
+            PolicyKey::Missing
+        );
+        assert_eq!(
+            build_key(policy, Some("GET /items/{id}"), &facts(), &src, true),
+            PolicyKey::Key("!anonymous:GET%20%2fitems%2f%7bid%7d".into())
+        );
+        let mut empty = Fake::default();
+        empty.headers.insert("x-tenant-id".into(), Vec::new());
+        assert_eq!(
+            build_key(policy, Some("GET /items/{id}"), &facts(), &empty, false),
+            PolicyKey::Missing
+        );
+    }
+
+    #[test]
+    fn client_ip_from_socket_and_forwarded_for() {
+        let p = policy(r#"[{"client_ip":{}}]"#);
+        let mut src = Fake::default();
+        src.properties
+            .insert("source/address".into(), b"[::1]:5555".to_vec());
+        assert_eq!(
+            build_key(&p.policies[0], None, &facts(), &src, false),
+            PolicyKey::Key("%3a%3a1".into())
+        );
+        let p = policy(r#"[{"client_ip":{"trusted_hops":1}}]"#);
+        src.headers
+            .insert("x-forwarded-for".into(), b"6.6.6.6, 10.1.2.3".to_vec());
+        assert_eq!(
+            build_key(&p.policies[0], None, &facts(), &src, false),
+            PolicyKey::Key("10.1.2.3".into())
+        );
+        src.headers
+            .insert("x-forwarded-for".into(), b"6.6.6.6, not-an-ip".to_vec());
+        assert_eq!(
+            build_key(&p.policies[0], None, &facts(), &src, false),
+            PolicyKey::Missing
+        );
+    }
+
+    #[test]
+    fn api_keys_and_jwt_claims() {
+        let p = policy(r#"[{"api_key":"x-api-key"},{"jwt_claim":{"claim":"tenant"}}]"#);
+        let mut src = Fake::default();
+        src.headers
+            .insert("x-api-key".into(), b"sk_live_secret".to_vec());
+        src.properties.insert(
+            "metadata/filter_metadata/envoy.filters.http.jwt_authn/jwt_payload/tenant".into(),
+            b"acme".to_vec(),
+        );
+        let PolicyKey::Key(key) = build_key(&p.policies[0], None, &facts(), &src, false) else {
+            panic!("missing");
+        };
+        assert!(
+            key.starts_with("sha256-") && key.ends_with(":acme"),
+            "{key}"
+        );
+        assert!(!key.contains("secret"));
+    }
+}

@@ -1,0 +1,254 @@
+use super::*;
+use crate::shared::MemorySharedData;
+
+fn limits(burst: u64) -> Limits {
+    // Negligible refill: 1 unit per hour.
+    Limits::new(1, 3_600_000, burst).unwrap()
+}
+
+fn open(store: &MemorySharedData, slots: u32) -> SlotTable {
+    SlotTable::open(store, "tollgate/test/", slots, 7).unwrap()
+}
+
+#[test]
+fn open_creates_every_slot_once_and_never_overwrites() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 64);
+    assert_eq!(store.entries(), 65); // 64 slots + salt
+    let l = limits(5);
+    let charge = [Charge {
+        bucket_id: "p:a",
+        limits: &l,
+        cost: 3,
+    }];
+    assert!(table.charge(&store, &charge, 0).unwrap().allowed);
+    // A second worker opening the same table keeps the live bucket.
+    let again = open(&store, 64);
+    assert_eq!(store.entries(), 65);
+    let charged = again.charge(&store, &charge, 0).unwrap();
+    assert!(!charged.allowed, "the bucket was reset by a second open");
+}
+
+#[test]
+fn exact_capacity_and_retry_after() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 64);
+    let l = Limits::new(100, 1_000, 20).unwrap();
+    let charge = [Charge {
+        bucket_id: "p:tenant",
+        limits: &l,
+        cost: 5,
+    }];
+    for i in 0..4 {
+        let c = table.charge(&store, &charge, 1_000).unwrap();
+        assert!(c.allowed, "charge {i}");
+    }
+    let denied = table.charge(&store, &charge, 1_000).unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(denied.views[0].reset_ms, 50);
+    // Time passes: 50 ms later the next transfer fits again.
+    assert!(table.charge(&store, &charge, 1_050).unwrap().allowed);
+}
+
+#[test]
+fn all_or_nothing_across_buckets() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 64);
+    let wide = limits(10);
+    let narrow = limits(2);
+    let both = [
+        Charge {
+            bucket_id: "tenant-wide:acme",
+            limits: &wide,
+            cost: 1,
+        },
+        Charge {
+            bucket_id: "route:acme",
+            limits: &narrow,
+            cost: 1,
+        },
+    ];
+    assert!(table.charge(&store, &both, 0).unwrap().allowed);
+    assert!(table.charge(&store, &both, 0).unwrap().allowed);
+    let denied = table.charge(&store, &both, 0).unwrap();
+    assert!(!denied.allowed);
+    assert!(denied.views[0].allowed && !denied.views[1].allowed);
+    // The denial took nothing from the tenant-wide bucket: 8 left.
+    let only_wide = [both[0]];
+    for _ in 0..8 {
+        assert!(table.charge(&store, &only_wide, 0).unwrap().allowed);
+    }
+    assert!(!table.charge(&store, &only_wide, 0).unwrap().allowed);
+}
+
+#[test]
+fn lost_race_is_retried_and_refunds_partial_writes() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 64);
+    let l = limits(10);
+    let both = [
+        Charge {
+            bucket_id: "a:x",
+            limits: &l,
+            cost: 1,
+        },
+        Charge {
+            bucket_id: "b:x",
+            limits: &l,
+            cost: 1,
+        },
+    ];
+    assert!(table.charge(&store, &both, 0).unwrap().allowed);
+    // Make the write of the second bucket lose one race.
+    let second_slot = (0..64)
+        .map(|s| table.slot_key(s))
+        .find(|k| {
+            let (v, _) = store.get(k).unwrap();
+            v.and_then(|v| decode(&v)).is_some_and(|r| r.id == "b:x")
+        })
+        .unwrap();
+    store.interfere_once.replace(Some(second_slot));
+    assert!(table.charge(&store, &both, 0).unwrap().allowed);
+    // Each bucket was charged exactly twice (the first attempt's write to `a:x` was refunded).
+    for id in ["a:x", "b:x"] {
+        let one = [Charge {
+            bucket_id: id,
+            limits: &l,
+            cost: 8,
+        }];
+        assert!(table.charge(&store, &one, 0).unwrap().allowed, "{id}");
+        let more = [Charge {
+            bucket_id: id,
+            limits: &l,
+            cost: 1,
+        }];
+        assert!(!table.charge(&store, &more, 0).unwrap().allowed, "{id}");
+    }
+}
+
+#[test]
+fn keys_never_share_a_slot_and_memory_is_bounded() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 16);
+    let bytes_before = store.bytes();
+    let l = limits(3);
+    let mut full = 0;
+    let mut allowed = 0;
+    for tenant in 0..10_000 {
+        let id = format!("p:{tenant}");
+        let charge = [Charge {
+            bucket_id: &id,
+            limits: &l,
+            cost: 1,
+        }];
+        match table.charge(&store, &charge, 0) {
+            Ok(c) if c.allowed => allowed += 1,
+            Ok(_) => panic!("a fresh tenant was denied: it shares state"),
+            Err(TableError::Full) => full += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    // 16 slots hold 16 live buckets; every other tenant finds the table full.
+    assert_eq!(allowed, 16);
+    assert_eq!(full, 10_000 - 16);
+    assert_eq!(store.entries(), 17);
+    let per_slot = 1 + 2 + 8 + 24;
+    assert!(
+        store.bytes() <= bytes_before + 16 * per_slot,
+        "{}",
+        store.bytes()
+    );
+}
+
+#[test]
+fn full_buckets_are_evicted_without_loss() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 16);
+    // 1 unit per ms: a bucket of 2 is full again 2 ms after use.
+    let l = Limits::new(1, 1, 2).unwrap();
+    for tenant in 0..16 {
+        let id = format!("p:{tenant}");
+        let charge = [Charge {
+            bucket_id: &id,
+            limits: &l,
+            cost: 1,
+        }];
+        let _ = table.charge(&store, &charge, 0);
+    }
+    let newcomer = [Charge {
+        bucket_id: "p:new",
+        limits: &l,
+        cost: 1,
+    }];
+    assert_eq!(table.charge(&store, &newcomer, 0), Err(TableError::Full));
+    let later = table.charge(&store, &newcomer, 5).unwrap();
+    assert!(later.allowed);
+    assert_eq!(later.evictions, 1);
+}
+
+#[test]
+fn hostile_ids_are_stored_and_compared_exactly() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 64);
+    let l = limits(1);
+    let a = "p:%7bx%7d%3ay";
+    let b = "p:%7bx%7d%3az";
+    assert!(
+        table
+            .charge(
+                &store,
+                &[Charge {
+                    bucket_id: a,
+                    limits: &l,
+                    cost: 1
+                }],
+                0
+            )
+            .unwrap()
+            .allowed
+    );
+    assert!(
+        table
+            .charge(
+                &store,
+                &[Charge {
+                    bucket_id: b,
+                    limits: &l,
+                    cost: 1
+                }],
+                0
+            )
+            .unwrap()
+            .allowed
+    );
+    assert!(
+        !table
+            .charge(
+                &store,
+                &[Charge {
+                    bucket_id: a,
+                    limits: &l,
+                    cost: 1
+                }],
+                0
+            )
+            .unwrap()
+            .allowed
+    );
+}
+
+#[test]
+fn corrupt_slots_read_as_empty() {
+    assert_eq!(decode(&[]), None);
+    assert_eq!(decode(&[TAG_EMPTY]), None);
+    assert_eq!(decode(&[TAG_BUCKET, 200, 0, b'x']), None);
+    let record = Record {
+        id: "p:k".into(),
+        state: BucketState {
+            tokens: 1.5,
+            updated_ms: 9,
+        },
+        full_at_ms: 10,
+    };
+    assert_eq!(decode(&encode(&record)), Some(record));
+}
