@@ -1,0 +1,370 @@
+//! End-to-end tests of local (per-Envoy-instance) limiting: a real Envoy (`--concurrency 4`)
+//! loads the freshly built `tollgate.wasm` with the shipped `envoy/local.yaml`, in front of a
+//! real HTTP upstream, on loopback.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use serde_json::Value;
+use tollgate_e2e::{burst, paths, send, Envoy, EnvoyOptions, RequestSpec, Upstream};
+
+const WORKERS: u32 = 4;
+
+/// `envoy/local.yaml` with ports made free (0), the upstream pointed at `upstream_port`, the
+/// wasm path made absolute, and `policy` as the plugin configuration.
+fn local_config(policy: &str, upstream_port: u16) -> String {
+    let shipped =
+        std::fs::read_to_string(paths::workspace_root().join("envoy/local.yaml")).unwrap();
+    let (listeners, clusters) = shipped.split_once("  clusters:").unwrap();
+    let listeners = listeners
+        .replace("port_value: 10000", "port_value: 0")
+        .replace("port_value: 10001", "port_value: 0")
+        .replace("port_value: 9901", "port_value: 0")
+        .replace(
+            "filename: target/wasm32-wasip1/release/tollgate.wasm",
+            &format!("filename: {}", paths::wasm_path().display()),
+        );
+    let clusters = clusters.replace("port_value: 10001", &format!("port_value: {upstream_port}"));
+    let (head, block, tail) = policy_block(&listeners);
+    assert!(!block.is_empty());
+    let indented: String = policy
+        .lines()
+        .map(|l| format!("                    {l}\n"))
+        .collect();
+    format!("{head}{indented}{tail}  clusters:{clusters}")
+}
+
+/// Splits a config around the policy JSON block (the lines after `value: |`).
+fn policy_block(config: &str) -> (String, String, String) {
+    let start = config.find("value: |\n").unwrap() + "value: |\n".len();
+    let rest = &config[start..];
+    let end = rest
+        .find("          - name: envoy.filters.http.router")
+        .unwrap();
+    (
+        config[..start].to_string(),
+        rest[..end].to_string(),
+        rest[end..].to_string(),
+    )
+}
+
+fn start(policy: &str, upstream: &Upstream) -> (Envoy, u16) {
+    let envoy = Envoy::start(
+        EnvoyOptions::new(local_config(policy, upstream.port()))
+            .concurrency(WORKERS)
+            .log_level("warn"),
+    );
+    let port = envoy.listener_port("ingress");
+    (envoy, port)
+}
+
+/// The payments policy with negligible refill (1 unit per hour), so a burst meets exactly the
+/// bucket's capacity.
+fn payments(enforce: bool, on_missing: &str) -> String {
+    format!(
+        r#"{{
+  "policies": [{{
+    "name": "payments-per-tenant",
+    "match": {{ "hosts": ["api.example.com"],
+               "routes": ["POST /payments/transfers", "GET /payments/transfers/{{id}}"] }},
+    "key": [{{ "header": "x-tenant-id" }}],
+    "on_missing_key": "{on_missing}",
+    "rate": {{ "units": 1, "per": "1h" }},
+    "burst": 20,
+    "cost": {{ "POST /payments/transfers": 5 }},
+    "on_unavailable": {{ "mode": "closed" }},
+    "enforce": {enforce}
+  }}]
+}}"#
+    )
+}
+
+fn lookup(tenant: &str, i: usize) -> RequestSpec {
+    RequestSpec::get(format!("/payments/transfers/tx-{i}?expand=true"))
+        .host("api.example.com")
+        .header("x-tenant-id", tenant)
+}
+
+fn transfer(tenant: &str) -> RequestSpec {
+    RequestSpec::post("/payments/transfers", "{}")
+        .host("api.example.com")
+        .header("x-tenant-id", tenant)
+}
+
+fn prometheus_value(envoy: &Envoy, metric: &str) -> u64 {
+    let text = envoy.stats_prometheus();
+    // Unlabelled series print as `name{} value`.
+    let bare = format!("{metric}{{}}");
+    text.lines()
+        .find(|l| {
+            [metric, bare.as_str()]
+                .iter()
+                .any(|m| l.starts_with(m) && l[m.len()..].starts_with(' '))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {metric} in /stats/prometheus:\n{text}"))
+}
+
+#[test]
+fn shipped_config_embeds_the_payments_policy() {
+    let shipped =
+        std::fs::read_to_string(paths::workspace_root().join("envoy/local.yaml")).unwrap();
+    let (_, block, _) = policy_block(&shipped);
+    let embedded: Value = serde_json::from_str(&block).unwrap();
+    let file: Value = serde_json::from_str(
+        &std::fs::read_to_string(paths::workspace_root().join("policies/payments.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        embedded, file,
+        "envoy/local.yaml and policies/payments.json differ"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_for_one_tenant_admits_exactly_the_burst() {
+    let upstream = Upstream::start();
+    let (envoy, port) = start(&payments(true, "deny"), &upstream);
+    let responses = burst(port, 600, 60, |i| lookup("acme", i)).await;
+    let ok = responses.iter().filter(|r| r.status == 200).count();
+    let limited: Vec<_> = responses.iter().filter(|r| r.status == 429).collect();
+    assert_eq!(ok, 20, "admitted");
+    assert_eq!(limited.len(), 580, "statuses: {:?}", statuses(&responses));
+    assert_eq!(upstream.requests(), 20);
+    for r in &limited {
+        // 1 unit per hour: the next unit is 3600 s away.
+        assert_eq!(r.header("retry-after"), Some("3600"));
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert_eq!(
+            r.header("ratelimit-policy"),
+            Some("\"payments-per-tenant\";q=1;w=3600")
+        );
+        assert_eq!(
+            r.header("ratelimit"),
+            Some("\"payments-per-tenant\";r=0;t=3600")
+        );
+        let body: Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"error": "rate limit exceeded", "policy": "payments-per-tenant", "retry_after_seconds": 3600})
+        );
+        assert!(!r.body.contains("acme"));
+    }
+    assert_eq!(
+        prometheus_value(&envoy, "tollgate_allowed{policy=\"payments-per-tenant\"}"),
+        20
+    );
+    assert_eq!(
+        prometheus_value(&envoy, "tollgate_denied{policy=\"payments-per-tenant\"}"),
+        580
+    );
+}
+
+fn statuses(responses: &[tollgate_e2e::Response]) -> std::collections::BTreeMap<u16, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for r in responses {
+        *counts.entry(r.status).or_default() += 1;
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_drain_five_units_and_lookups_one() {
+    let upstream = Upstream::start();
+    let (_envoy, port) = start(&payments(true, "deny"), &upstream);
+    let transfers = burst(port, 100, 20, |_| transfer("acme")).await;
+    assert_eq!(transfers.iter().filter(|r| r.status == 200).count(), 4);
+    // The bucket is empty: not even a 1-unit lookup passes.
+    assert_eq!(send(port, lookup("acme", 1)).await.status, 429);
+    // 3 transfers (15 units) then 5 lookups fill another tenant's 20 exactly.
+    let mut admitted = Vec::new();
+    for _ in 0..3 {
+        admitted.push(send(port, transfer("bob")).await.status);
+    }
+    for i in 0..6 {
+        admitted.push(send(port, lookup("bob", i)).await.status);
+    }
+    assert_eq!(admitted, vec![200, 200, 200, 200, 200, 200, 200, 200, 429]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_never_share_state() {
+    let upstream = Upstream::start();
+    let (_envoy, port) = start(&payments(true, "deny"), &upstream);
+    // Tenant ids that an escaping bug would merge: separators, hash-tag braces, escapes.
+    let tenants = ["a:b", "a%3ab", "{a}:b", "a", "A", "a b"];
+    let responses = burst(port, tenants.len() * 60, 48, |i| {
+        lookup(tenants[i % tenants.len()], i)
+    })
+    .await;
+    for (t, tenant) in tenants.iter().enumerate() {
+        let ok = responses
+            .iter()
+            .enumerate()
+            .filter(|(i, r)| i % tenants.len() == t && r.status == 200)
+            .count();
+        assert_eq!(ok, 20, "tenant {tenant:?}");
+    }
+    // No identity: 403, and nothing is charged.
+    let anonymous = send(
+        port,
+        RequestSpec::get("/payments/transfers/1").host("api.example.com"),
+    )
+    .await;
+    assert_eq!(anonymous.status, 403);
+    assert!(anonymous
+        .body
+        .contains("\"policy\":\"payments-per-tenant\""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_admits_all_and_counts_would_be_denials() {
+    let upstream = Upstream::start();
+    let (envoy, port) = start(&payments(false, "skip"), &upstream);
+    let responses = burst(port, 200, 20, |i| lookup("acme", i)).await;
+    assert!(
+        responses.iter().all(|r| r.status == 200),
+        "{:?}",
+        statuses(&responses)
+    );
+    assert_eq!(upstream.requests(), 200);
+    assert_eq!(
+        prometheus_value(
+            &envoy,
+            "tollgate_shadow_denied{policy=\"payments-per-tenant\"}"
+        ),
+        180
+    );
+    assert_eq!(
+        prometheus_value(&envoy, "tollgate_allowed{policy=\"payments-per-tenant\"}"),
+        20
+    );
+    assert_eq!(
+        prometheus_value(&envoy, "tollgate_denied{policy=\"payments-per-tenant\"}"),
+        0
+    );
+}
+
+#[test]
+fn a_bad_policy_is_refused_with_the_field_named() {
+    let upstream = Upstream::start();
+    let bad = payments(true, "deny").replace("\"per\": \"1h\"", "\"per\": \"1 fortnight\"");
+    let error = Envoy::try_start(
+        EnvoyOptions::new(local_config(&bad, upstream.port()))
+            .concurrency(1)
+            .log_level("warn"),
+    )
+    .expect_err("Envoy started with an invalid policy");
+    let message = error.to_string();
+    assert!(
+        message.contains("policy `payments-per-tenant`: policies[0].rate.per"),
+        "{message}"
+    );
+    assert!(
+        message.contains("invalid plugin configuration"),
+        "{message}"
+    );
+
+    let unknown = payments(true, "deny").replace("\"burst\": 20", "\"burst\": 20, \"brust\": 1");
+    let error = Envoy::try_start(
+        EnvoyOptions::new(local_config(&unknown, upstream.port()))
+            .concurrency(1)
+            .log_level("warn"),
+    )
+    .expect_err("Envoy started with an unknown field");
+    assert!(error.to_string().contains("brust"), "{error}");
+}
+
+/// Sends raw bytes as one HTTP/1.1 request and returns the status code.
+fn raw_status(port: u16, request: &[u8]) -> u16 {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream.write_all(request).unwrap();
+    let mut buf = [0u8; 512];
+    let n = stream.read(&mut buf).unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    head.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_identities_neither_crash_the_filter_nor_merge_tenants() {
+    let upstream = Upstream::start();
+    let (envoy, port) = start(&payments(true, "deny"), &upstream);
+    let huge = "x".repeat(50_000);
+    let mut hostile: Vec<Vec<u8>> = vec![
+        huge.clone().into_bytes(),
+        vec![0xff, 0xfe, 0x80, b'{', b'}', b':'],
+        b"{acme}".to_vec(),
+        b"acme:GET".to_vec(),
+        b"%7bacme%7d".to_vec(),
+    ];
+    hostile.push([huge.as_bytes(), b"y"].concat());
+    for (n, id) in hostile.iter().enumerate() {
+        for attempt in 0..21 {
+            let mut request = format!(
+                "GET /payments/transfers/{n} HTTP/1.1\r\nhost: api.example.com\r\nconnection: close\r\nx-tenant-id: "
+            )
+            .into_bytes();
+            request.extend_from_slice(id);
+            request.extend_from_slice(b"\r\n\r\n");
+            let status = raw_status(port, &request);
+            let expected = if attempt < 20 { 200 } else { 429 };
+            assert_eq!(status, expected, "identity #{n}, request {attempt}");
+        }
+    }
+    // `acme` itself is untouched by all of the above.
+    assert_eq!(send(port, lookup("acme", 0)).await.status, 200);
+    assert_eq!(prometheus_value(&envoy, "envoy_wasm_tollgate_vm_reload"), 0);
+    assert!(!envoy.logs().contains("panicked"), "{}", envoy.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_tenants_stay_inside_the_slot_table() {
+    let upstream = Upstream::start();
+    let slots = 1024;
+    let policy = payments(true, "deny")
+        .replace(
+            "\"on_unavailable\": { \"mode\": \"closed\" }",
+            "\"on_unavailable\": { \"mode\": \"open\" }",
+        )
+        .replace(
+            "\"policies\": [{",
+            &format!("\"local_table\": {{ \"slots\": {slots} }},\n  \"policies\": [{{"),
+        );
+    let (envoy, port) = start(&policy, &upstream);
+    // Warm up connections, V8 and allocator pools with tenants the table will hold anyway.
+    let warm = burst(port, 500, 8, |i| lookup(&format!("warm-{i}"), i)).await;
+    assert!(warm.iter().all(|r| r.status == 200));
+    let before = envoy.memory_allocated();
+    let tenants = 10_000;
+    let responses = burst(port, tenants, 8, |i| {
+        lookup(&format!("tenant-{i:05}-{}", "p".repeat(40)), i)
+    })
+    .await;
+    let after = envoy.memory_allocated();
+    assert!(
+        responses.iter().all(|r| r.status == 200),
+        "{:?}",
+        statuses(&responses)
+    );
+    // Every tenant beyond the table's capacity was decided by the failure mode (open).
+    let full = prometheus_value(&envoy, "tollgate_local_table_full");
+    let fail_open = prometheus_value(&envoy, "tollgate_fail_open{policy=\"payments-per-tenant\"}");
+    assert_eq!(full, fail_open);
+    assert!(full >= (tenants + 500 - slots) as u64, "table_full {full}");
+    let growth = after.saturating_sub(before);
+    // Unbounded keys would hold 10,000 × (key ≈ 60 B + value ≈ 100 B + map node) ≈ 2 MB.
+    // The slot table is created up front, so growth is noise from connections and stats.
+    println!("Envoy allocated before {before} B, after {after} B, growth {growth} B for {tenants} tenants");
+    assert!(
+        growth < 512 * 1024,
+        "memory grew by {growth} bytes for {tenants} tenants"
+    );
+}
