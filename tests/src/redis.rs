@@ -1,0 +1,924 @@
+//! Real Redis for the limiter's store tests: a standalone `redis-server` and a Redis Cluster
+//! (3 primaries + replicas) on loopback, with the failure injections the design needs
+//! (pause = SIGSTOP, restart = empty store, failover, node kill).
+//!
+//! Commands go over a raw RESP2 `TcpStream` (no redis-cli output parsing, no client crate):
+//! one connection per command, every read bounded by a timeout, so a paused server shows up
+//! as a timeout, exactly like the limiter would see it.
+//!
+//! redis-server cannot bind port 0, so ports come from [`crate::ports::free_port`]; if the
+//! bind races and fails the server is started again on another port, and a server is only
+//! considered up when `INFO server` reports *our* child's `process_id`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::error::{HarnessError, Result};
+use crate::paths;
+use crate::ports::free_port;
+use crate::process::{self, ChildProcess};
+
+/// Default timeout for one command.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(10);
+const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------------------
+// RESP
+
+/// A RESP2 reply. Error replies are values (`Resp::Error`), not transport errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resp {
+    Simple(String),
+    Error(String),
+    Int(i64),
+    Bulk(String),
+    Nil,
+    Array(Vec<Resp>),
+}
+
+impl Resp {
+    /// Text rendering: strings as-is, integers in decimal, nil as `(nil)`, errors as
+    /// `(error) MSG`, arrays one element per line.
+    pub fn to_text(&self) -> String {
+        match self {
+            Resp::Simple(s) | Resp::Bulk(s) => s.clone(),
+            Resp::Error(e) => format!("(error) {e}"),
+            Resp::Int(i) => i.to_string(),
+            Resp::Nil => "(nil)".into(),
+            Resp::Array(items) => items
+                .iter()
+                .map(Resp::to_text)
+                .collect::<Vec<_>>()
+                .join("\n"),
+        }
+    }
+
+    pub fn is_error(&self) -> bool {
+        matches!(self, Resp::Error(_))
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Resp::Simple(s) | Resp::Bulk(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            Resp::Int(i) => Some(*i),
+            Resp::Simple(s) | Resp::Bulk(s) => s.parse().ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[Resp]> {
+        match self {
+            Resp::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// Send one command to 127.0.0.1:`port` on a fresh connection and read one reply.
+pub fn command(port: u16, args: &[&str], timeout: Duration) -> Result<Resp> {
+    let what = || format!("redis 127.0.0.1:{port} {:?}", args.first().unwrap_or(&""));
+    let deadline = Instant::now() + timeout;
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let mut stream = TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|e| HarnessError::new(format!("{}: connect: {e}", what())))?;
+    stream.set_nodelay(true).ok();
+    let mut req = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        req.extend_from_slice(a.as_bytes());
+        req.extend_from_slice(b"\r\n");
+    }
+    stream
+        .set_write_timeout(Some(timeout))
+        .and_then(|()| stream.write_all(&req))
+        .map_err(|e| HarnessError::new(format!("{}: write: {e}", what())))?;
+    let mut reader = BufReader::new(Deadlined { stream, deadline });
+    read_resp(&mut reader).map_err(|e| {
+        if matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            HarnessError::new(format!("{}: no reply within {timeout:?}", what()))
+        } else {
+            HarnessError::new(format!("{}: read: {e}", what()))
+        }
+    })
+}
+
+/// A stream whose every read is bounded by one overall deadline.
+struct Deadlined {
+    stream: TcpStream,
+    deadline: Instant,
+}
+
+impl Read for Deadlined {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+fn read_resp(r: &mut impl BufRead) -> std::io::Result<Resp> {
+    let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    let mut line = Vec::new();
+    r.read_until(b'\n', &mut line)?;
+    if line.is_empty() {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    let text = String::from_utf8_lossy(&line);
+    let text = text.trim_end_matches(['\r', '\n']);
+    let (kind, rest) = text.split_at(text.len().min(1));
+    let int = |s: &str| {
+        s.parse::<i64>()
+            .map_err(|_| bad(format!("bad RESP integer {s:?}")))
+    };
+    match kind {
+        "+" => Ok(Resp::Simple(rest.to_owned())),
+        "-" => Ok(Resp::Error(rest.to_owned())),
+        ":" => Ok(Resp::Int(int(rest)?)),
+        "$" => {
+            let len = int(rest)?;
+            let Ok(len) = usize::try_from(len) else {
+                return Ok(Resp::Nil);
+            };
+            let mut buf = vec![0u8; len + 2];
+            r.read_exact(&mut buf)?;
+            buf.truncate(len);
+            Ok(Resp::Bulk(String::from_utf8_lossy(&buf).into_owned()))
+        }
+        "*" => {
+            let n = int(rest)?;
+            let Ok(n) = usize::try_from(n) else {
+                return Ok(Resp::Nil);
+            };
+            (0..n)
+                .map(|_| read_resp(r))
+                .collect::<std::io::Result<Vec<_>>>()
+                .map(Resp::Array)
+        }
+        other => Err(bad(format!("unexpected RESP type {other:?} in {text:?}"))),
+    }
+}
+
+/// `field` from `INFO` text (`field:value` lines).
+pub fn info_field(info: &str, field: &str) -> Option<String> {
+    info.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k == field).then(|| v.trim().to_owned())
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// RedisServer
+
+/// How to start a [`RedisServer`]. `RedisOptions::default()` is a plain standalone server.
+#[derive(Debug, Clone, Default)]
+pub struct RedisOptions {
+    /// Label for the log directory; empty means the current test's name.
+    pub name: String,
+    /// Use this directory (created if needed) instead of a fresh log directory.
+    pub dir: Option<PathBuf>,
+    /// Start with `--cluster-enabled yes` (config file in the dir, own bus port).
+    pub cluster: bool,
+    /// `--cluster-node-timeout`; 0 means 2000 ms.
+    pub cluster_node_timeout_ms: u64,
+    /// More `redis-server` arguments, e.g. `["--maxmemory", "10mb"]`.
+    pub extra_args: Vec<String>,
+}
+
+/// A `redis-server` on 127.0.0.1 with no persistence; killed on `Drop`. Methods take `&self`,
+/// so one server can be shared by tasks.
+#[derive(Debug)]
+pub struct RedisServer {
+    process: Mutex<ChildProcess>,
+    port: u16,
+    cluster_port: Option<u16>,
+    dir: PathBuf,
+    opts: RedisOptions,
+}
+
+impl RedisServer {
+    /// A standalone server; panics if it cannot be started.
+    pub fn start() -> RedisServer {
+        Self::start_with(RedisOptions::default())
+    }
+
+    pub fn start_with(opts: RedisOptions) -> RedisServer {
+        Self::try_start_with(opts).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn try_start_with(opts: RedisOptions) -> Result<RedisServer> {
+        let dir = match &opts.dir {
+            Some(d) => {
+                std::fs::create_dir_all(d)?;
+                d.clone()
+            }
+            None => paths::new_log_dir(&opts.name, "redis"),
+        };
+        let mut last_err = HarnessError::new("not started");
+        for _attempt in 0..8 {
+            let port = free_port();
+            let cluster_port = opts.cluster.then(free_port);
+            match spawn_redis(&dir, port, cluster_port, &opts)? {
+                Ok(process) => {
+                    return Ok(RedisServer {
+                        process: Mutex::new(process),
+                        port,
+                        cluster_port,
+                        dir,
+                        opts,
+                    })
+                }
+                // The port was taken between free_port() and the bind: try other ports.
+                Err(e) => last_err = e,
+            }
+        }
+        Err(HarnessError::new(format!(
+            "redis-server: gave up after 8 port races; last: {last_err}"
+        )))
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The cluster bus port (cluster mode only).
+    pub fn cluster_port(&self) -> Option<u16> {
+        self.cluster_port
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.proc().pid()
+    }
+
+    pub fn log_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// redis-server's log (its stdout) and stderr.
+    pub fn logs(&self) -> String {
+        let p = self.proc();
+        format!("{}{}", p.stdout(), p.stderr())
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.proc().is_running()
+    }
+
+    fn proc(&self) -> std::sync::MutexGuard<'_, ChildProcess> {
+        self.process.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// One command with an explicit timeout; transport failures are `Err`.
+    pub fn try_cmd(&self, args: &[&str], timeout: Duration) -> Result<Resp> {
+        command(self.port, args, timeout)
+    }
+
+    /// One command; panics on transport failure. Error replies are `Resp::Error`.
+    pub fn cmd(&self, args: &[&str]) -> Resp {
+        self.try_cmd(args, COMMAND_TIMEOUT)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// One command, reply as text (see [`Resp::to_text`]): `cli(&["GET", "k"]) == "v"`.
+    pub fn cli(&self, args: &[&str]) -> String {
+        self.cmd(args).to_text()
+    }
+
+    /// Does the server answer PING within `timeout`?
+    pub fn ping(&self, timeout: Duration) -> bool {
+        matches!(self.try_cmd(&["PING"], timeout), Ok(Resp::Simple(s)) if s == "PONG")
+    }
+
+    /// `INFO <section>` text.
+    pub fn info(&self, section: &str) -> String {
+        self.cli(&["INFO", section])
+    }
+
+    /// One field of `INFO <section>`.
+    pub fn info_field(&self, section: &str, field: &str) -> Option<String> {
+        info_field(&self.info(section), field)
+    }
+
+    /// Freeze the process (SIGSTOP): connections are accepted by the kernel but nothing is
+    /// answered, like a stalled server.
+    pub fn pause(&self) {
+        self.proc()
+            .signal(libc::SIGSTOP)
+            .unwrap_or_else(|e| panic!("pause redis: {e}"));
+    }
+
+    /// Undo [`RedisServer::pause`] (SIGCONT).
+    pub fn resume(&self) {
+        self.proc()
+            .signal(libc::SIGCONT)
+            .unwrap_or_else(|e| panic!("resume redis: {e}"));
+    }
+
+    /// Kill the server (SIGKILL) without restarting it. Idempotent.
+    pub fn kill(&self) {
+        self.proc().kill();
+    }
+
+    /// Kill and start again on the same port: all keys, scripts and functions are gone
+    /// (no persistence). Waits until it answers again.
+    pub fn restart(&self) {
+        let mut p = self.proc();
+        p.kill();
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        loop {
+            match spawn_redis(&self.dir, self.port, self.cluster_port, &self.opts) {
+                Ok(Ok(new)) => {
+                    *p = new;
+                    return;
+                }
+                // Someone took our port in the meantime; it may be released again.
+                Ok(Err(e)) if Instant::now() < deadline => {
+                    eprintln!("e2e: redis restart on port {} raced: {e}", self.port);
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Ok(Err(e)) | Err(e) => panic!("redis restart on port {}: {e}", self.port),
+            }
+        }
+    }
+}
+
+/// Start one redis-server and wait until it answers as itself.
+/// `Ok(Err(_))`: the port was taken (retry elsewhere); `Err(_)`: any other failure.
+fn spawn_redis(
+    dir: &Path,
+    port: u16,
+    cluster_port: Option<u16>,
+    opts: &RedisOptions,
+) -> Result<Result<ChildProcess>> {
+    let mut cmd = Command::new(paths::redis_server_bin());
+    cmd.current_dir(dir).args([
+        "--port",
+        &port.to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--protected-mode",
+        "no",
+        "--daemonize",
+        "no",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        // Replicas sync immediately instead of waiting 5 s for more replicas.
+        "--repl-diskless-sync-delay",
+        "0",
+        "--loglevel",
+        "notice",
+    ]);
+    cmd.arg("--dir").arg(dir);
+    if let Some(bus) = cluster_port {
+        let timeout = match opts.cluster_node_timeout_ms {
+            0 => 2000,
+            t => t,
+        };
+        cmd.args(["--cluster-enabled", "yes"])
+            .arg("--cluster-config-file")
+            .arg(dir.join("nodes.conf"))
+            .args(["--cluster-node-timeout", &timeout.to_string()])
+            .args(["--cluster-port", &bus.to_string()])
+            .args(["--cluster-announce-ip", "127.0.0.1"]);
+    }
+    cmd.args(&opts.extra_args);
+    let mut child = ChildProcess::spawn("redis", cmd, dir)?;
+    let deadline = Instant::now() + STARTUP_TIMEOUT;
+    let pid = child.pid().to_string();
+    loop {
+        if let Some(status) = child.exit_status() {
+            let log = format!("{}{}", child.stdout(), child.stderr());
+            let msg = format!(
+                "redis-server on port {port} exited during startup ({status}); log:\n{}",
+                process::tail(&log, 20)
+            );
+            return if log.contains("Address already in use") {
+                Ok(Err(HarnessError::new(msg)))
+            } else {
+                Err(HarnessError::new(msg))
+            };
+        }
+        if let Ok(Resp::Bulk(info)) = command(port, &["INFO", "server"], Duration::from_secs(1)) {
+            if info_field(&info, "process_id").as_deref() == Some(pid.as_str()) {
+                return Ok(Ok(child));
+            }
+            // Another process answers on "our" port: ours will fail to bind.
+            child.kill();
+            return Ok(Err(HarnessError::new(format!(
+                "port {port} belongs to another redis-server"
+            ))));
+        }
+        if Instant::now() >= deadline {
+            let log = format!("{}{}", child.stdout(), child.stderr());
+            child.kill();
+            return Err(HarnessError::new(format!(
+                "redis-server on port {port} not answering within {STARTUP_TIMEOUT:?}; log:\n{}",
+                process::tail(&log, 20)
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// RedisCluster
+
+/// A node's role as it reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Primary,
+    Replica,
+}
+
+/// A snapshot of one cluster node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterNode {
+    pub port: u16,
+    pub pid: u32,
+    /// Cluster node id.
+    pub id: String,
+    pub role: Role,
+    /// For a replica: its primary's id.
+    pub primary_id: Option<String>,
+    /// Slot ranges served (primaries).
+    pub slots: Vec<(u16, u16)>,
+    /// Is the process running (not killed)?
+    pub alive: bool,
+}
+
+/// One line of `CLUSTER NODES`.
+#[derive(Debug, Clone)]
+struct NodeLine {
+    id: String,
+    port: u16,
+    flags: Vec<String>,
+    master: Option<String>,
+    slots: Vec<(u16, u16)>,
+}
+
+impl NodeLine {
+    fn has(&self, flag: &str) -> bool {
+        self.flags.iter().any(|f| f == flag)
+    }
+}
+
+fn parse_cluster_nodes(text: &str) -> Vec<NodeLine> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let id = (*fields.first()?).to_owned();
+            let addr = fields.get(1)?;
+            let port = addr
+                .split('@')
+                .next()?
+                .rsplit(':')
+                .next()?
+                .parse()
+                .unwrap_or(0);
+            let flags = fields.get(2)?.split(',').map(str::to_owned).collect();
+            let master = fields
+                .get(3)
+                .filter(|m| **m != "-")
+                .map(|m| (*m).to_owned());
+            let slots = fields
+                .get(8..)
+                .unwrap_or_default()
+                .iter()
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|s| match s.split_once('-') {
+                    Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                    None => {
+                        let n = s.parse().ok()?;
+                        Some((n, n))
+                    }
+                })
+                .collect();
+            Some(NodeLine {
+                id,
+                port,
+                flags,
+                master,
+                slots,
+            })
+        })
+        .collect()
+}
+
+/// A Redis Cluster of `primaries × (1 + replicas_per_primary)` local redis-servers with a
+/// short node timeout (2 s) so failure detection and failover tests are quick.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+    ids: Vec<String>,
+    dir: PathBuf,
+}
+
+impl RedisCluster {
+    /// Start, join and wait until `cluster_state:ok` everywhere with every replica in sync.
+    pub fn start(primaries: usize, replicas_per_primary: usize) -> RedisCluster {
+        Self::try_start(primaries, replicas_per_primary).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn try_start(primaries: usize, replicas_per_primary: usize) -> Result<RedisCluster> {
+        if primaries == 0 || primaries > 16384 {
+            return Err(HarnessError::new("a cluster needs 1..=16384 primaries"));
+        }
+        let dir = paths::new_log_dir("", "redis-cluster");
+        let total = primaries * (1 + replicas_per_primary);
+        let mut nodes = Vec::with_capacity(total);
+        for i in 0..total {
+            nodes.push(RedisServer::try_start_with(RedisOptions {
+                dir: Some(dir.join(format!("node-{i}"))),
+                cluster: true,
+                ..RedisOptions::default()
+            })?);
+        }
+        let ids = nodes
+            .iter()
+            .map(|n| {
+                let r = n.try_cmd(&["CLUSTER", "MYID"], COMMAND_TIMEOUT)?;
+                r.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| HarnessError::new(format!("CLUSTER MYID: {r:?}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let cluster = RedisCluster { nodes, ids, dir };
+        cluster.create(primaries)?;
+        Ok(cluster)
+    }
+
+    fn create(&self, primaries: usize) -> Result<()> {
+        let ok = |node: &RedisServer, args: &[&str]| -> Result<()> {
+            match node.try_cmd(args, COMMAND_TIMEOUT)? {
+                Resp::Simple(s) if s == "OK" => Ok(()),
+                other => Err(HarnessError::new(format!(
+                    "{args:?} on port {}: {other:?}",
+                    node.port()
+                ))),
+            }
+        };
+        // Slots split like `redis-cli --cluster create`; distinct config epochs up front.
+        let per = 16384 / primaries;
+        for (i, node) in self.nodes.iter().enumerate() {
+            ok(node, &["CLUSTER", "SET-CONFIG-EPOCH", &(i + 1).to_string()])?;
+        }
+        for (i, node) in self.nodes.iter().take(primaries).enumerate() {
+            let start = i * per;
+            let end = if i + 1 == primaries {
+                16383
+            } else {
+                (i + 1) * per - 1
+            };
+            ok(
+                node,
+                &[
+                    "CLUSTER",
+                    "ADDSLOTSRANGE",
+                    &start.to_string(),
+                    &end.to_string(),
+                ],
+            )?;
+        }
+        // Full mesh of MEETs: no waiting for gossip to spread.
+        for (i, node) in self.nodes.iter().enumerate() {
+            for other in self.nodes.iter().take(i) {
+                let bus = other.cluster_port().unwrap_or_default().to_string();
+                ok(
+                    node,
+                    &[
+                        "CLUSTER",
+                        "MEET",
+                        "127.0.0.1",
+                        &other.port().to_string(),
+                        &bus,
+                    ],
+                )?;
+            }
+        }
+        let total = self.nodes.len();
+        process::wait_for(
+            "all cluster nodes to know each other",
+            CLUSTER_TIMEOUT,
+            || {
+                self.nodes
+                    .iter()
+                    .all(|n| {
+                        let Ok(Resp::Bulk(text)) =
+                            n.try_cmd(&["CLUSTER", "NODES"], COMMAND_TIMEOUT)
+                        else {
+                            return false;
+                        };
+                        let lines = parse_cluster_nodes(&text);
+                        lines.len() == total
+                            && lines
+                                .iter()
+                                .all(|l| !l.has("handshake") && !l.has("noaddr") && l.port != 0)
+                    })
+                    .then_some(())
+            },
+        )?;
+        for (i, replica) in self.nodes.iter().enumerate().skip(primaries) {
+            let primary_id = self.ids.get(i % primaries).cloned().unwrap_or_default();
+            ok(replica, &["CLUSTER", "REPLICATE", &primary_id])?;
+        }
+        self.wait_healthy(CLUSTER_TIMEOUT)
+    }
+
+    /// Why the cluster is not healthy yet (`None` = healthy): every live node says
+    /// `cluster_state:ok`, all live nodes agree which live primary owns every slot, and every
+    /// live replica's link to its primary is up and not syncing.
+    fn unhealthy_reason(&self) -> Option<String> {
+        let mut reference: Option<Vec<(u16, u16, String)>> = None;
+        let live_ids: Vec<&String> = self
+            .nodes
+            .iter()
+            .zip(&self.ids)
+            .filter(|(n, _)| n.is_running())
+            .map(|(_, id)| id)
+            .collect();
+        for node in self.nodes.iter().filter(|n| n.is_running()) {
+            let port = node.port();
+            let info = match node.try_cmd(&["CLUSTER", "INFO"], COMMAND_TIMEOUT) {
+                Ok(r) => r.to_text(),
+                Err(e) => return Some(e.to_string()),
+            };
+            if info_field(&info, "cluster_state").as_deref() != Some("ok") {
+                return Some(format!("node {port}: cluster_state is not ok"));
+            }
+            let text = match node.try_cmd(&["CLUSTER", "NODES"], COMMAND_TIMEOUT) {
+                Ok(r) => r.to_text(),
+                Err(e) => return Some(e.to_string()),
+            };
+            let lines = parse_cluster_nodes(&text);
+            let mut owners: Vec<(u16, u16, String)> = lines
+                .iter()
+                .filter(|l| l.has("master") && !l.has("fail"))
+                .flat_map(|l| l.slots.iter().map(|(a, b)| (*a, *b, l.id.clone())))
+                .collect();
+            owners.sort();
+            if let Some((_, _, dead)) = owners.iter().find(|(_, _, id)| !live_ids.contains(&id)) {
+                return Some(format!("node {port}: slots owned by dead node {dead}"));
+            }
+            let covered: usize = owners
+                .iter()
+                .map(|(a, b, _)| usize::from(*b) - usize::from(*a) + 1)
+                .sum();
+            if covered != 16384 {
+                return Some(format!(
+                    "node {port}: only {covered} slots have live owners"
+                ));
+            }
+            match &reference {
+                None => reference = Some(owners),
+                Some(r) if *r != owners => {
+                    return Some(format!("node {port}: disagrees on slot owners"))
+                }
+                Some(_) => {}
+            }
+            let Some(me) = lines.iter().find(|l| l.has("myself")) else {
+                return Some(format!("node {port}: no `myself` line in CLUSTER NODES"));
+            };
+            if me.has("slave") {
+                let repl = match node.try_cmd(&["INFO", "replication"], COMMAND_TIMEOUT) {
+                    Ok(r) => r.to_text(),
+                    Err(e) => return Some(e.to_string()),
+                };
+                if info_field(&repl, "master_link_status").as_deref() != Some("up")
+                    || info_field(&repl, "master_sync_in_progress").as_deref() != Some("0")
+                {
+                    return Some(format!("replica {port}: not in sync with its primary"));
+                }
+            }
+        }
+        None
+    }
+
+    /// Wait (bounded) until the cluster is healthy (see the module docs for what that means).
+    /// After [`RedisCluster::kill_node`] of a primary this waits for its replica to take over.
+    pub fn wait_healthy(&self, timeout: Duration) -> Result<()> {
+        let mut reason = None;
+        process::wait_for("a healthy Redis Cluster", timeout, || {
+            reason = self.unhealthy_reason();
+            reason.is_none().then_some(())
+        })
+        .map_err(|e| {
+            HarnessError::new(format!(
+                "{e}: {}; logs under {}",
+                reason.unwrap_or_default(),
+                self.dir.display()
+            ))
+        })
+    }
+
+    /// `redis://127.0.0.1:<port>` of every node (primaries first at start).
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// The node servers (for `cmd`, `pause`, `resume`, `info`, ...).
+    pub fn servers(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    /// The server listening on `port`.
+    pub fn node(&self, port: u16) -> &RedisServer {
+        self.nodes
+            .iter()
+            .find(|n| n.port() == port)
+            .unwrap_or_else(|| panic!("no cluster node on port {port}"))
+    }
+
+    fn id_of(&self, port: u16) -> &str {
+        self.nodes
+            .iter()
+            .zip(&self.ids)
+            .find(|(n, _)| n.port() == port)
+            .map(|(_, id)| id.as_str())
+            .unwrap_or_else(|| panic!("no cluster node on port {port}"))
+    }
+
+    /// `CLUSTER NODES` as seen by the first live node.
+    fn view(&self) -> Vec<NodeLine> {
+        let node = self
+            .nodes
+            .iter()
+            .find(|n| n.is_running())
+            .unwrap_or_else(|| panic!("no live cluster node"));
+        parse_cluster_nodes(&node.cli(&["CLUSTER", "NODES"]))
+    }
+
+    /// Every node as it sees itself (a killed node: as the first live node last saw it).
+    pub fn nodes(&self) -> Vec<ClusterNode> {
+        let others = self.view();
+        self.nodes
+            .iter()
+            .zip(&self.ids)
+            .filter_map(|(n, id)| {
+                let alive = n.is_running();
+                let line = if alive {
+                    parse_cluster_nodes(&n.cli(&["CLUSTER", "NODES"]))
+                        .into_iter()
+                        .find(|l| l.has("myself"))
+                } else {
+                    others.iter().find(|l| l.id == *id).cloned()
+                }?;
+                Some(ClusterNode {
+                    port: n.port(),
+                    pid: n.pid(),
+                    id: id.clone(),
+                    role: if line.has("master") {
+                        Role::Primary
+                    } else {
+                        Role::Replica
+                    },
+                    primary_id: line.master,
+                    slots: line.slots,
+                    alive,
+                })
+            })
+            .collect()
+    }
+
+    /// Live primaries.
+    pub fn primaries(&self) -> Vec<ClusterNode> {
+        self.nodes()
+            .into_iter()
+            .filter(|n| n.alive && n.role == Role::Primary)
+            .collect()
+    }
+
+    /// Live replicas.
+    pub fn replicas(&self) -> Vec<ClusterNode> {
+        self.nodes()
+            .into_iter()
+            .filter(|n| n.alive && n.role == Role::Replica)
+            .collect()
+    }
+
+    /// `CLUSTER KEYSLOT key`.
+    pub fn key_slot(&self, key: &str) -> u16 {
+        let node = self
+            .nodes
+            .iter()
+            .find(|n| n.is_running())
+            .unwrap_or_else(|| panic!("no live cluster node"));
+        let r = node.cmd(&["CLUSTER", "KEYSLOT", key]);
+        r.as_int()
+            .and_then(|i| u16::try_from(i).ok())
+            .unwrap_or_else(|| panic!("CLUSTER KEYSLOT {key}: {r:?}"))
+    }
+
+    /// The live primary serving `slot`.
+    pub fn primary_for_slot(&self, slot: u16) -> ClusterNode {
+        let view = self.view();
+        let owner = view
+            .iter()
+            .find(|l| {
+                l.has("master")
+                    && !l.has("fail")
+                    && l.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot))
+            })
+            .unwrap_or_else(|| panic!("no primary serves slot {slot}"));
+        self.nodes()
+            .into_iter()
+            .find(|n| n.id == owner.id)
+            .unwrap_or_else(|| panic!("slot {slot} owner {} is not ours", owner.id))
+    }
+
+    /// The live primary serving `key`.
+    pub fn primary_for_key(&self, key: &str) -> ClusterNode {
+        self.primary_for_slot(self.key_slot(key))
+    }
+
+    /// Manual failover of `primary_port`: `CLUSTER FAILOVER` on one of its replicas, then
+    /// wait until the roles are swapped and the cluster is healthy. Returns the new
+    /// primary's port.
+    pub fn failover(&self, primary_port: u16) -> u16 {
+        let primary_id = self.id_of(primary_port).to_owned();
+        let replica = self
+            .replicas()
+            .into_iter()
+            .find(|n| n.primary_id.as_deref() == Some(primary_id.as_str()))
+            .unwrap_or_else(|| panic!("node {primary_port} is not a primary with a live replica"));
+        let server = self.node(replica.port);
+        let r = server.cmd(&["CLUSTER", "FAILOVER"]);
+        assert_eq!(r, Resp::Simple("OK".into()), "CLUSTER FAILOVER: {r:?}");
+        let role = |port: u16| self.node(port).info_field("replication", "role");
+        process::wait_for(
+            &format!("failover {primary_port} -> {}", replica.port),
+            CLUSTER_TIMEOUT,
+            || {
+                (role(replica.port).as_deref() == Some("master")
+                    && role(primary_port).as_deref() == Some("slave"))
+                .then_some(())
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}; logs under {}", self.dir.display()));
+        self.wait_healthy(CLUSTER_TIMEOUT)
+            .unwrap_or_else(|e| panic!("{e}"));
+        replica.port
+    }
+
+    /// SIGKILL the node on `port` (no failover wait; see [`RedisCluster::wait_healthy`]).
+    pub fn kill_node(&self, port: u16) {
+        self.node(port).kill();
+    }
+
+    pub fn log_dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_resp() {
+        let mut r: &[u8] = b"*3\r\n+OK\r\n:42\r\n$-1\r\n";
+        assert_eq!(
+            read_resp(&mut r).unwrap(),
+            Resp::Array(vec![Resp::Simple("OK".into()), Resp::Int(42), Resp::Nil])
+        );
+        let mut r: &[u8] = b"$5\r\nhe\r\no\r\n";
+        assert_eq!(read_resp(&mut r).unwrap(), Resp::Bulk("he\r\no".into()));
+        let mut r: &[u8] = b"-ERR nope\r\n";
+        assert_eq!(read_resp(&mut r).unwrap().to_text(), "(error) ERR nope");
+    }
+
+    #[test]
+    fn parses_cluster_nodes() {
+        let text = "07c3 127.0.0.1:30004@31004 slave e7d1 0 1426238317239 4 connected\n\
+                    e7d1 127.0.0.1:30001@31001,host myself,master - 0 0 1 connected 0-5460 7000 [5461->-abc]\n";
+        let lines = parse_cluster_nodes(text);
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0].port, 30004);
+        assert_eq!(lines[0].master.as_deref(), Some("e7d1"));
+        assert!(lines[1].has("myself") && lines[1].has("master"));
+        assert_eq!(lines[1].slots, vec![(0, 5460), (7000, 7000)]);
+        assert_eq!(lines[1].master, None);
+    }
+}
