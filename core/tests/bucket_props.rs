@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used)]
 //! Property tests of the bucket invariants the seed essay asks for, over random operation
 //! sequences with clocks that jump forwards and backwards.
 
