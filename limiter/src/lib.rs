@@ -1,0 +1,21 @@
+//! tollgate's limiter: the service that owns every global bucket.
+//!
+//! The filter (one per Envoy worker) leases tokens from it over HTTP in batches
+//! (`POST /v1/leases`) and gives unused ones back (`POST /v1/leases/return`). Buckets live in
+//! one of three stores behind [`store::Store`]: in this process, in one Redis, or in a Redis
+//! Cluster, where each transition is one atomic Redis Function call on Redis' clock.
+//!
+//! Layout: [`server`] starts everything ([`serve`]), [`http`] maps routes onto [`service`]
+//! (validation, units, deadlines, answers), [`store`] holds the buckets, [`policies`] keeps
+//! the policy document current, [`metrics`] exports what happened, [`config`] is the CLI.
+
+pub mod clock;
+pub mod config;
+pub mod http;
+pub mod metrics;
+pub mod policies;
+pub mod server;
+pub mod service;
+pub mod store;
+
+pub use server::{serve, serve_with_store, Running, ServerConfig, StartError, StoreConfig};

@@ -1,0 +1,250 @@
+//! Prometheus metrics of the limiter (`GET /metrics`), in one place so their names, labels
+//! and label values stay consistent.
+//!
+//! Label values are policy names from the validated policy document (an unknown name a client
+//! sent is counted as `(unknown)`), node addresses, fixed outcome and error names: never a
+//! tenant id or a key, so the number of series is bounded by configuration, not by traffic.
+
+use std::time::Duration;
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Policy label for a name the document does not define.
+pub const UNKNOWN_POLICY: &str = "(unknown)";
+
+/// Outcome label values of decisions (API error codes verbatim, so they read the same in the
+/// API, logs and metrics).
+pub mod outcome {
+    pub const GRANTED: &str = "GRANTED";
+    pub const OVER_LIMIT: &str = "OVER_LIMIT";
+    pub const REPLAYED: &str = "REPLAYED";
+    pub const RETURNED: &str = "RETURNED";
+    pub const NOTHING_RETURNED: &str = "NOTHING_RETURNED";
+}
+
+/// Every metric the limiter exports.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    registry: Registry,
+    decisions: IntCounterVec,
+    returns: IntCounterVec,
+    tokens_granted: IntCounterVec,
+    tokens_returned: IntCounterVec,
+    store_latency: HistogramVec,
+    store_errors: IntCounterVec,
+    active_keys: IntGaugeVec,
+    policy_info: IntGaugeVec,
+    policy_reloads: IntCounterVec,
+    responses: IntCounterVec,
+}
+
+fn counter(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<IntCounterVec> {
+    let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+fn gauge(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<IntGaugeVec> {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
+    registry.register(Box::new(g.clone()))?;
+    Ok(g)
+}
+
+impl Metrics {
+    /// Fails only on an invalid or duplicate metric definition (a bug the unit tests catch).
+    pub fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new();
+        let decisions = counter(
+            &registry,
+            "tollgate_limiter_decisions_total",
+            "Lease decisions by policy and outcome (GRANTED, OVER_LIMIT, REPLAYED, UNAVAILABLE, INVALID_POLICY, INVALID_REQUEST).",
+            &["policy", "outcome"],
+       )?;
+        let returns = counter(
+            &registry,
+            "tollgate_limiter_returns_total",
+            "Lease returns by policy and outcome (RETURNED, NOTHING_RETURNED, UNAVAILABLE, INVALID_POLICY, INVALID_REQUEST).",
+            &["policy", "outcome"],
+       )?;
+        let tokens_granted = counter(
+            &registry,
+            "tollgate_limiter_tokens_granted_total",
+            "Tokens taken from global buckets into leases (replays not counted).",
+            &["policy"],
+        )?;
+        let tokens_returned = counter(
+            &registry,
+            "tollgate_limiter_tokens_returned_total",
+            "Unused lease tokens given back to global buckets.",
+            &["policy"],
+        )?;
+        let store_latency = {
+            let opts = HistogramOpts::new(
+                "tollgate_limiter_store_call_duration_seconds",
+                "Duration of one store call (one atomic unit), by node and operation.",
+            )
+            .buckets(vec![
+                0.000_1, 0.000_25, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+            ]);
+            let h = HistogramVec::new(opts, &["node", "op"])?;
+            registry.register(Box::new(h.clone()))?;
+            h
+        };
+        let store_errors = counter(
+            &registry,
+            "tollgate_limiter_store_errors_total",
+            "Store calls that produced no answer, by node and error kind.",
+            &["node", "kind"],
+        )?;
+        let active_keys = gauge(
+            &registry,
+            "tollgate_limiter_active_keys",
+            "Keys held by the store (buckets and lease records), sampled per node.",
+            &["node"],
+        )?;
+        let policy_info = gauge(
+            &registry,
+            "tollgate_limiter_policy_info",
+            "1 for the policy document version in force.",
+            &["version"],
+        )?;
+        let policy_reloads = counter(
+            &registry,
+            "tollgate_limiter_policy_reloads_total",
+            "Policy document reloads by result (ok, invalid, unreadable).",
+            &["result"],
+        )?;
+        let responses = counter(
+            &registry,
+            "tollgate_limiter_http_responses_total",
+            "HTTP responses by endpoint and status code.",
+            &["endpoint", "status"],
+        )?;
+        Ok(Self {
+            registry,
+            decisions,
+            returns,
+            tokens_granted,
+            tokens_returned,
+            store_latency,
+            store_errors,
+            active_keys,
+            policy_info,
+            policy_reloads,
+            responses,
+        })
+    }
+
+    pub fn decision(&self, policy: &str, outcome: &str) {
+        self.decisions.with_label_values(&[policy, outcome]).inc();
+    }
+
+    pub fn returned(&self, policy: &str, outcome: &str) {
+        self.returns.with_label_values(&[policy, outcome]).inc();
+    }
+
+    pub fn tokens_granted(&self, policy: &str, tokens: u64) {
+        self.tokens_granted
+            .with_label_values(&[policy])
+            .inc_by(tokens);
+    }
+
+    pub fn tokens_returned(&self, policy: &str, tokens: u64) {
+        self.tokens_returned
+            .with_label_values(&[policy])
+            .inc_by(tokens);
+    }
+
+    pub fn store_call(&self, node: &str, op: &str, took: Duration) {
+        self.store_latency
+            .with_label_values(&[node, op])
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn store_error(&self, node: &str, kind: &str) {
+        self.store_errors.with_label_values(&[node, kind]).inc();
+    }
+
+    /// Replaces the active-keys samples.
+    pub fn set_active_keys(&self, samples: &[(String, u64)]) {
+        self.active_keys.reset();
+        for (node, count) in samples {
+            self.active_keys
+                .with_label_values(&[node.as_str()])
+                .set(i64::try_from(*count).unwrap_or(i64::MAX));
+        }
+    }
+
+    pub fn set_policy_version(&self, version: &str) {
+        self.policy_info.reset();
+        self.policy_info.with_label_values(&[version]).set(1);
+    }
+
+    pub fn policy_reload(&self, result: &str) {
+        self.policy_reloads.with_label_values(&[result]).inc();
+    }
+
+    pub fn response(&self, endpoint: &str, status: u16) {
+        self.responses
+            .with_label_values(&[endpoint, &status.to_string()])
+            .inc();
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::error!(error = %e, "cannot encode metrics");
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_every_family_once_used() {
+        let m = Metrics::new().unwrap();
+        m.decision("p", outcome::GRANTED);
+        m.returned("p", outcome::RETURNED);
+        m.tokens_granted("p", 5);
+        m.tokens_returned("p", 2);
+        m.store_call("127.0.0.1:6379", "lease", Duration::from_micros(300));
+        m.store_error("127.0.0.1:6379", "timeout");
+        m.set_active_keys(&[("127.0.0.1:6379".into(), 7)]);
+        m.set_policy_version("abc");
+        m.set_policy_version("def");
+        m.policy_reload("ok");
+        m.response("leases", 200);
+        let text = m.render();
+        for needle in [
+            "tollgate_limiter_decisions_total{outcome=\"GRANTED\",policy=\"p\"} 1",
+            "tollgate_limiter_returns_total{outcome=\"RETURNED\",policy=\"p\"} 1",
+            "tollgate_limiter_tokens_granted_total{policy=\"p\"} 5",
+            "tollgate_limiter_tokens_returned_total{policy=\"p\"} 2",
+            "tollgate_limiter_store_call_duration_seconds_bucket{node=\"127.0.0.1:6379\",op=\"lease\",le=\"0.0005\"} 1",
+            "tollgate_limiter_store_errors_total{kind=\"timeout\",node=\"127.0.0.1:6379\"} 1",
+            "tollgate_limiter_active_keys{node=\"127.0.0.1:6379\"} 7",
+            "tollgate_limiter_policy_info{version=\"def\"} 1",
+            "tollgate_limiter_policy_reloads_total{result=\"ok\"} 1",
+            "tollgate_limiter_http_responses_total{endpoint=\"leases\",status=\"200\"} 1",
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
+        assert!(!text.contains("version=\"abc\""));
+    }
+}

@@ -1,0 +1,282 @@
+//! Starting and stopping a limiter: the one entry point shared by the binary, the integration
+//! tests and the benchmark (`serve` binds, spawns, and hands back the address and a handle).
+//!
+//! Besides the HTTP server it runs two background tasks: the policy file watcher and the
+//! active-keys sampler. Shutdown stops accepting, lets in-flight requests finish (bounded),
+//! then stops the tasks.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::serve::ListenerExt;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::metrics::Metrics;
+use crate::policies::{self, LoadError, PolicyHandle};
+use crate::service::{Service, ServiceSettings};
+use crate::store::{
+    AnyStore, MemoryStore, RedisClusterStore, RedisStore, Store, StoreError, StoreSettings,
+};
+
+/// How often the active-keys gauge is sampled.
+const ACTIVE_KEYS_EVERY: Duration = Duration::from_secs(5);
+/// How long shutdown waits for in-flight requests.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Which store holds the buckets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// In this process (the default without Redis).
+    Memory,
+    /// One Redis server: `redis://host:port`.
+    Redis(String),
+    /// A Redis Cluster, reached through any of these node URLs.
+    Cluster(Vec<String>),
+}
+
+/// Everything a limiter needs to start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub store: StoreConfig,
+    pub policies: PathBuf,
+    /// `expires_ms` of granted leases.
+    pub lease_ttl: Duration,
+    /// How long a lease id is remembered (must exceed `lease_ttl`).
+    pub dedup_ttl: Duration,
+    /// Deadline of one store call.
+    pub store_timeout: Duration,
+    /// How often the policy file is checked for changes.
+    pub policy_poll: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults for everything but the policy file: loopback port 8081, memory store, 2 s
+    /// leases remembered 60 s, 50 ms store timeout, policy file polled every second.
+    pub fn new(policies: impl Into<PathBuf>) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
+            store: StoreConfig::Memory,
+            policies: policies.into(),
+            lease_ttl: Duration::from_secs(2),
+            dedup_ttl: Duration::from_secs(60),
+            store_timeout: Duration::from_millis(50),
+            policy_poll: Duration::from_secs(1),
+        }
+    }
+
+    fn check(&self) -> Result<(), StartError> {
+        if self.lease_ttl.is_zero() {
+            return Err(StartError::Config(
+                "--lease-ttl must be longer than 0".into(),
+            ));
+        }
+        if self.dedup_ttl <= self.lease_ttl {
+            return Err(StartError::Config(format!(
+                "--dedup-ttl ({:?}) must be longer than --lease-ttl ({:?}): a lease id must be \
+                 remembered at least as long as its lease can be spent",
+                self.dedup_ttl, self.lease_ttl
+            )));
+        }
+        if self.store_timeout.is_zero() {
+            return Err(StartError::Config(
+                "--store-timeout must be longer than 0".into(),
+            ));
+        }
+        if self.policy_poll.is_zero() {
+            return Err(StartError::Config(
+                "--policy-poll must be longer than 0".into(),
+            ));
+        }
+        if let StoreConfig::Cluster(urls) = &self.store {
+            if urls.is_empty() {
+                return Err(StartError::Config(
+                    "--redis-cluster needs at least one node URL".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn store_settings(&self) -> StoreSettings {
+        StoreSettings {
+            dedup_ttl_ms: u64::try_from(self.dedup_ttl.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+}
+
+/// Why a limiter did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Policies(#[from] LoadError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot set up metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// A running limiter. Dropping it stops it too (without waiting).
+#[derive(Debug)]
+pub struct Running {
+    addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    server: Option<JoinHandle<std::io::Result<()>>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Running {
+    /// The bound address (the real port when `listen` had port 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting, waits (bounded) for in-flight requests, stops the background tasks.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(server) = self.server.take() {
+            match tokio::time::timeout(DRAIN_TIMEOUT, server).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => tracing::error!(error = %e, "HTTP server failed"),
+                Ok(Err(e)) => tracing::error!(error = %e, "HTTP server task failed"),
+                Err(_) => {
+                    tracing::warn!("in-flight requests did not finish within {DRAIN_TIMEOUT:?}")
+                }
+            }
+        }
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+    }
+
+    /// Waits until the server stops by itself (it only does on an accept error).
+    pub async fn stopped(&mut self) {
+        if let Some(server) = self.server.as_mut() {
+            let _ = server.await;
+            self.server = None;
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Builds the configured store (Redis stores connect in the background).
+pub fn build_store(config: &ServerConfig) -> Result<AnyStore, StartError> {
+    let settings = config.store_settings();
+    Ok(match &config.store {
+        StoreConfig::Memory => AnyStore::Memory(MemoryStore::new(settings)),
+        StoreConfig::Redis(url) => AnyStore::Redis(RedisStore::new(url, settings)?),
+        StoreConfig::Cluster(urls) => AnyStore::Cluster(RedisClusterStore::new(urls, settings)?),
+    })
+}
+
+/// Starts a limiter as configured: loads the policies (refusing an invalid document), builds
+/// the store, binds `config.listen` and serves until shut down.
+pub async fn serve(config: ServerConfig) -> Result<Running, StartError> {
+    config.check()?;
+    let store = build_store(&config)?;
+    serve_with_store(config, store).await
+}
+
+/// [`serve`] with a store built by the caller (`config.store` is ignored).
+pub async fn serve_with_store<S: Store>(
+    config: ServerConfig,
+    store: S,
+) -> Result<Running, StartError> {
+    config.check()?;
+    let policies = policies::load_file(&config.policies)?;
+    let metrics = Metrics::new()?;
+    metrics.set_policy_version(&policies.version);
+    tracing::info!(version = %policies.version, policies = policies.policies.len(),
+        path = %config.policies.display(), "policies loaded");
+    let handle = Arc::new(PolicyHandle::new(policies));
+    let service = Arc::new(Service::new(
+        Arc::new(store),
+        Arc::clone(&handle),
+        metrics.clone(),
+        ServiceSettings {
+            lease_ttl: config.lease_ttl,
+            store_timeout: config.store_timeout,
+        },
+    ));
+
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: config.listen,
+        source,
+    })?;
+    let (shutdown, shutdown_rx) = watch::channel(false);
+
+    let mut tasks = Vec::new();
+    tasks.push(tokio::spawn(policies::watch_file(
+        config.policies.clone(),
+        handle,
+        metrics,
+        config.policy_poll,
+        shutdown_rx.clone(),
+    )));
+    tasks.push(tokio::spawn({
+        let service = Arc::clone(&service);
+        async move {
+            // First contact with the store: load the functions, report readiness in the log.
+            let ready = service.readiness().await;
+            if ready.status == 200 {
+                tracing::info!(store = service.store().kind(), "store ready");
+            } else {
+                tracing::warn!(store = service.store().kind(), reply = %ready.body,
+                    "store not ready yet; requests answer UNAVAILABLE until it is");
+            }
+            loop {
+                service.sample_active_keys().await;
+                tokio::time::sleep(ACTIVE_KEYS_EVERY).await;
+            }
+        }
+    }));
+
+    let app = crate::http::router(service);
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let mut stop = shutdown_rx;
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                while !*stop.borrow() {
+                    if stop.changed().await.is_err() {
+                        return;
+                    }
+                }
+            })
+            .await
+    });
+    tracing::info!(%addr, "tollgate limiter listening");
+    Ok(Running {
+        addr,
+        shutdown,
+        server: Some(server),
+        tasks,
+    })
+}

@@ -1,0 +1,372 @@
+//! A Redis Cluster as the store: buckets spread over the primaries by hash tag.
+//!
+//! redis-rs' async cluster client owns routing: each `FCALL` goes to the primary owning its
+//! keys' slot (all keys of a call share the tenant's hash tag, so one slot), `MOVED`/`ASK`
+//! are followed and the slot map refreshed, and connections to every node are multiplexed.
+//! Replicas are never read (no `read_from_replicas`): admission must see the authoritative
+//! state. The function library is loaded on every primary at start and again on any primary
+//! that reports it missing (a node that lost it), then the call is retried once.
+//!
+//! For metrics only, the store keeps its own slot → primary map (`CLUSTER SLOTS`, refreshed
+//! every few seconds and after errors) so latency and errors can be labelled by node, and the
+//! active-keys gauge can ask each primary for `DBSIZE`.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo, SingleNodeRoutingInfo,
+};
+use redis::{Cmd, RedisError, Value};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use super::script::{self, Reloader};
+use super::{LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings};
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Per-attempt response timeout inside the client (calls are bounded by the store timeout).
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often the metrics slot map is refreshed when nothing asks for it.
+const SLOT_MAP_REFRESH: Duration = Duration::from_secs(5);
+/// Number of hash slots in a Redis Cluster.
+pub const SLOTS: u16 = 16_384;
+
+/// CRC16/XMODEM, the checksum Redis Cluster hashes keys with.
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// The slot of every Redis key of wire key `key`: its hash tag decides (see `core::key`).
+pub fn slot_of_key(key: &str) -> u16 {
+    crc16(tollgate_core::key::hash_tag(key).as_bytes()) % SLOTS
+}
+
+/// `(first slot, last slot, primary address)` ranges.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct SlotMap(Vec<(u16, u16, String)>);
+
+impl SlotMap {
+    fn owner(&self, slot: u16) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(a, b, _)| (*a..=*b).contains(&slot))
+            .map(|(_, _, addr)| addr.as_str())
+    }
+
+    fn primaries(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.0.iter().map(|(_, _, a)| a.clone()).collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Parses a `CLUSTER SLOTS` reply.
+    fn parse(value: &Value) -> Result<Self, StoreError> {
+        let bad = || StoreError::Protocol(format!("CLUSTER SLOTS: {value:?}"));
+        let Value::Array(ranges) = value else {
+            return Err(bad());
+        };
+        let mut map = Vec::with_capacity(ranges.len());
+        for range in ranges {
+            let Value::Array(fields) = range else {
+                return Err(bad());
+            };
+            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(primary))) =
+                (fields.first(), fields.get(1), fields.get(2))
+            else {
+                return Err(bad());
+            };
+            let host = match primary.first() {
+                Some(Value::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
+                Some(Value::SimpleString(h)) => h.clone(),
+                _ => return Err(bad()),
+            };
+            let Some(Value::Int(port)) = primary.get(1) else {
+                return Err(bad());
+            };
+            let (Ok(start), Ok(end)) = (u16::try_from(*start), u16::try_from(*end)) else {
+                return Err(bad());
+            };
+            map.push((start, end, format!("{host}:{port}")));
+        }
+        map.sort();
+        Ok(Self(map))
+    }
+}
+
+/// A Redis Cluster.
+pub struct RedisClusterStore {
+    conn: ClusterConnection,
+    settings: StoreSettings,
+    reloader: Reloader,
+    slots: Arc<RwLock<SlotMap>>,
+    refresh: Arc<Notify>,
+    refresher: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for RedisClusterStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisClusterStore")
+            .field("settings", &self.settings)
+            .field("slots", &self.slot_map())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RedisClusterStore {
+    fn drop(&mut self) {
+        self.refresher.abort();
+    }
+}
+
+impl RedisClusterStore {
+    /// A store for the cluster reachable through any of `urls`. Connects in the background
+    /// (an unreachable cluster makes calls fail and `/readyz` say so). Needs a tokio runtime.
+    pub fn new(urls: &[String], settings: StoreSettings) -> Result<Self, StoreError> {
+        if urls.is_empty() {
+            return Err(StoreError::Config("no cluster node URL".into()));
+        }
+        let client = ClusterClientBuilder::new(urls.iter().map(String::as_str))
+            .connection_timeout(CONNECT_TIMEOUT)
+            .response_timeout(RESPONSE_TIMEOUT)
+            .retries(3)
+            .min_retry_wait(10)
+            .max_retry_wait(200)
+            .build()
+            .map_err(|e| StoreError::Config(format!("redis cluster {urls:?}: {e}")))?;
+        let conn = client.get_pending_async_connection_with_config(
+            redis::cluster::ClusterConfig::new()
+                .set_connection_timeout(CONNECT_TIMEOUT)
+                .set_response_timeout(RESPONSE_TIMEOUT),
+        );
+        let slots = Arc::new(RwLock::new(SlotMap::default()));
+        let refresh = Arc::new(Notify::new());
+        let refresher = tokio::spawn(refresh_slot_map(
+            conn.clone(),
+            Arc::clone(&slots),
+            Arc::clone(&refresh),
+        ));
+        Ok(Self {
+            conn,
+            settings,
+            reloader: Reloader::default(),
+            slots,
+            refresh,
+            refresher,
+        })
+    }
+
+    fn slot_map(&self) -> SlotMap {
+        self.slots.read().map(|m| m.clone()).unwrap_or_default()
+    }
+
+    /// The primary serving `slot` as far as the metrics map knows.
+    pub fn owner_of_slot(&self, slot: u16) -> Option<String> {
+        self.slots
+            .read()
+            .ok()
+            .and_then(|m| m.owner(slot).map(str::to_owned))
+    }
+
+    /// Refreshes the metrics slot map now and waits for it.
+    pub async fn refresh_slot_map(&self) -> Result<(), StoreError> {
+        let map = fetch_slot_map(&self.conn).await?;
+        if let Ok(mut slots) = self.slots.write() {
+            *slots = map;
+        }
+        Ok(())
+    }
+
+    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        let mut conn = self.conn.clone();
+        cmd.query_async(&mut conn).await
+    }
+
+    async fn on_every_primary(&self, cmd: Cmd) -> Result<Value, RedisError> {
+        let mut conn = self.conn.clone();
+        conn.route_command(
+            cmd,
+            RoutingInfo::MultiNode((
+                MultipleNodeRoutingInfo::AllMasters,
+                Some(ResponsePolicy::AllSucceeded),
+            )),
+        )
+        .await
+    }
+
+    /// Loads (or replaces) the `tollgate_v1` library on every primary.
+    pub async fn load_library(&self) -> Result<(), StoreError> {
+        self.on_every_primary(script::load_cmd())
+            .await
+            .map(|_| ())
+            .map_err(|e| script::map_error(&e))
+    }
+
+    /// Runs a keyed function call; reloads the library and retries once if a node lacks it.
+    async fn call(&self, cmd: &Cmd) -> Result<Value, StoreError> {
+        let seen = self.reloader.generation();
+        let result = match self.query(cmd).await {
+            Err(e) if script::is_function_missing(&e) => {
+                tracing::warn!("tollgate functions missing on a cluster node; loading them");
+                self.reloader.reload(seen, || self.load_library()).await?;
+                self.query(cmd).await.map_err(|e| script::map_error(&e))
+            }
+            other => other.map_err(|e| script::map_error(&e)),
+        };
+        if result.is_err() {
+            // The topology may have changed: relabel metrics soon.
+            self.refresh.notify_one();
+        }
+        result
+    }
+}
+
+async fn fetch_slot_map(conn: &ClusterConnection) -> Result<SlotMap, StoreError> {
+    let mut conn = conn.clone();
+    let mut cmd = redis::cmd("CLUSTER");
+    cmd.arg("SLOTS");
+    let reply = conn
+        .route_command(cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random))
+        .await
+        .map_err(|e| script::map_error(&e))?;
+    SlotMap::parse(&reply)
+}
+
+/// Keeps the metrics slot map fresh: every [`SLOT_MAP_REFRESH`], and when notified.
+async fn refresh_slot_map(
+    conn: ClusterConnection,
+    slots: Arc<RwLock<SlotMap>>,
+    notify: Arc<Notify>,
+) {
+    loop {
+        match tokio::time::timeout(RESPONSE_TIMEOUT, fetch_slot_map(&conn)).await {
+            Ok(Ok(map)) => {
+                if let Ok(mut current) = slots.write() {
+                    if *current != map {
+                        tracing::info!(primaries = ?map.primaries(), "cluster slot map changed");
+                        *current = map;
+                    }
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "cannot refresh the cluster slot map"),
+            Err(_) => tracing::debug!("cluster slot map refresh timed out"),
+        }
+        // At most one refresh per 100ms however many errors ask for one.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let _ = tokio::time::timeout(SLOT_MAP_REFRESH, notify.notified()).await;
+    }
+}
+
+impl Store for RedisClusterStore {
+    async fn lease(&self, items: &[LeaseItem]) -> Result<LeaseOutcome, StoreError> {
+        let reply = self.call(&script::lease_cmd(items, &self.settings)).await?;
+        script::parse_lease_reply(&reply, items.len())
+    }
+
+    async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {
+        let reply = self.call(&script::return_cmd(item)).await?;
+        script::parse_return_reply(&reply)
+    }
+
+    async fn ready(&self) -> Result<(), StoreError> {
+        let seen = self.reloader.generation();
+        let reply = match self.on_every_primary(script::ping_cmd()).await {
+            Err(e) if script::is_function_missing(&e) => {
+                self.reloader.reload(seen, || self.load_library()).await?;
+                self.on_every_primary(script::ping_cmd())
+                    .await
+                    .map_err(|e| script::map_error(&e))?
+            }
+            other => other.map_err(|e| script::map_error(&e))?,
+        };
+        script::check_ping_reply(&reply)
+    }
+
+    async fn active_keys(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let mut out = Vec::new();
+        for address in self.slot_map().primaries() {
+            let Some((host, port)) = address.rsplit_once(':') else {
+                continue;
+            };
+            let Ok(port) = port.parse::<u16>() else {
+                continue;
+            };
+            let mut conn = self.conn.clone();
+            let reply = conn
+                .route_command(
+                    redis::cmd("DBSIZE"),
+                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                        host: host.to_owned(),
+                        port,
+                    }),
+                )
+                .await
+                .map_err(|e| script::map_error(&e))?;
+            if let Value::Int(n) = reply {
+                out.push((address, u64::try_from(n).unwrap_or(0)));
+            }
+        }
+        Ok(out)
+    }
+
+    fn node_for(&self, key: &str) -> String {
+        self.owner_of_slot(slot_of_key(key))
+            .unwrap_or_else(|| "unknown".to_owned())
+    }
+
+    fn kind(&self) -> &'static str {
+        "redis-cluster"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc16_matches_redis() {
+        // Reference values from the Redis Cluster specification.
+        assert_eq!(crc16(b"123456789"), 0x31c3);
+        assert_eq!(crc16(b"foo") % SLOTS, 12182);
+        assert_eq!(slot_of_key("foo:bar"), crc16(b"foo") % SLOTS);
+    }
+
+    #[test]
+    fn parses_cluster_slots() {
+        let node = |port: i64| {
+            Value::Array(vec![
+                Value::BulkString(b"127.0.0.1".to_vec()),
+                Value::Int(port),
+                Value::BulkString(b"id".to_vec()),
+            ])
+        };
+        let v = Value::Array(vec![
+            Value::Array(vec![
+                Value::Int(5461),
+                Value::Int(16383),
+                node(7001),
+                node(7004),
+            ]),
+            Value::Array(vec![Value::Int(0), Value::Int(5460), node(7000)]),
+        ]);
+        let map = SlotMap::parse(&v).unwrap();
+        assert_eq!(map.owner(0), Some("127.0.0.1:7000"));
+        assert_eq!(map.owner(16383), Some("127.0.0.1:7001"));
+        assert_eq!(map.primaries(), ["127.0.0.1:7000", "127.0.0.1:7001"]);
+        assert!(SlotMap::parse(&Value::Nil).is_err());
+    }
+}

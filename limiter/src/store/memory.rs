@@ -1,0 +1,466 @@
+//! The embedded store: every bucket in this process, for a single limiter instance without
+//! Redis (development, tests, a one-replica deployment).
+//!
+//! Same semantics as the Redis Function, running tollgate-core's bucket math directly: one
+//! mutex makes each unit atomic, lease records dedup ids, and state expires like Redis keys
+//! (a bucket `bucket_ttl_ms` after its last write, a lease record `dedup_ttl_ms` after it was
+//! created). Expired entries are ignored when read and removed by a bounded sweep on every
+//! call (an expiry heap with one live entry per key), so memory follows the active keys and no
+//! call does unbounded work.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tollgate_core::bucket::{self, BucketState, LeaseGrant};
+
+use super::{
+    bucket_ttl_ms, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError,
+    StoreSettings,
+};
+use crate::clock::{Clock, MonotonicClock};
+
+/// Most expired entries removed per call.
+const SWEEP_BATCH: usize = 32;
+
+/// The memory store. Cheap to share behind an `Arc`; all state is behind one mutex.
+pub struct MemoryStore {
+    inner: Mutex<Inner>,
+    clock: Arc<dyn Clock>,
+    settings: StoreSettings,
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct LeaseRecord {
+    granted: u64,
+    returned: u64,
+    remaining: f64,
+    retry_after_ms: u64,
+    bucket: String,
+}
+
+#[derive(Debug)]
+struct Entry<T> {
+    value: T,
+    /// Last millisecond at which the entry is alive (Redis: expired when `now > when`);
+    /// `u64::MAX` for never.
+    expires_at: u64,
+    /// The time of this key's entry in the expiry heap.
+    heap_at: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Bucket,
+    Lease,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    buckets: HashMap<String, Entry<BucketState>>,
+    leases: HashMap<String, Entry<LeaseRecord>>,
+    expiries: BinaryHeap<Reverse<(u64, Kind, String)>>,
+}
+
+fn expiry(now: u64, ttl_ms: u64) -> u64 {
+    if ttl_ms == 0 {
+        u64::MAX
+    } else {
+        now.saturating_add(ttl_ms)
+    }
+}
+
+impl Inner {
+    fn bucket(&self, key: &str, now: u64) -> Option<BucketState> {
+        self.buckets
+            .get(key)
+            .filter(|e| e.expires_at >= now)
+            .map(|e| e.value)
+    }
+
+    fn lease(&self, key: &str, now: u64) -> Option<&LeaseRecord> {
+        self.leases
+            .get(key)
+            .filter(|e| e.expires_at >= now)
+            .map(|e| &e.value)
+    }
+
+    fn put_bucket(&mut self, key: &str, value: BucketState, expires_at: u64) {
+        let push = put(&mut self.buckets, key, value, expires_at);
+        if push {
+            self.expiries
+                .push(Reverse((expires_at, Kind::Bucket, key.to_owned())));
+        }
+    }
+
+    fn put_lease(&mut self, key: &str, value: LeaseRecord, expires_at: u64) {
+        let push = put(&mut self.leases, key, value, expires_at);
+        if push {
+            self.expiries
+                .push(Reverse((expires_at, Kind::Lease, key.to_owned())));
+        }
+    }
+
+    /// Removes at most [`SWEEP_BATCH`] expired entries.
+    fn sweep(&mut self, now: u64) {
+        for _ in 0..SWEEP_BATCH {
+            match self.expiries.peek() {
+                Some(Reverse((at, _, _))) if *at < now => {}
+                _ => return,
+            }
+            let Some(Reverse((at, kind, key))) = self.expiries.pop() else {
+                return;
+            };
+            let requeue = match kind {
+                Kind::Bucket => sweep_one(&mut self.buckets, &key, at, now),
+                Kind::Lease => sweep_one(&mut self.leases, &key, at, now),
+            };
+            if let Some(next) = requeue {
+                self.expiries.push(Reverse((next, kind, key)));
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.buckets.len() + self.leases.len()
+    }
+}
+
+/// Inserts or overwrites `key`; whether a heap entry must be pushed for it.
+fn put<T>(map: &mut HashMap<String, Entry<T>>, key: &str, value: T, expires_at: u64) -> bool {
+    match map.get_mut(key) {
+        Some(entry) => {
+            entry.value = value;
+            entry.expires_at = expires_at;
+            if expires_at < entry.heap_at {
+                // The heap entry is later than the new expiry: queue an earlier one; the old
+                // one is recognised as stale when it comes up.
+                entry.heap_at = expires_at;
+                true
+            } else {
+                false
+            }
+        }
+        None => {
+            map.insert(
+                key.to_owned(),
+                Entry {
+                    value,
+                    expires_at,
+                    heap_at: expires_at,
+                },
+            );
+            true
+        }
+    }
+}
+
+/// Handles one due heap entry: removes the key if it expired, or returns when to look again.
+fn sweep_one<T>(map: &mut HashMap<String, Entry<T>>, key: &str, at: u64, now: u64) -> Option<u64> {
+    let entry = map.get_mut(key)?;
+    if entry.heap_at != at {
+        return None;
+    }
+    if entry.expires_at < now {
+        map.remove(key);
+        None
+    } else {
+        entry.heap_at = entry.expires_at;
+        Some(entry.expires_at)
+    }
+}
+
+/// A bucket touched by the fresh items of one unit.
+struct Touched {
+    key: String,
+    /// Refilled state before any item took from it.
+    start: BucketState,
+    /// State after the items decided so far.
+    state: BucketState,
+    ttl_ms: u64,
+}
+
+impl MemoryStore {
+    /// A store on this process' monotonic clock.
+    pub fn new(settings: StoreSettings) -> Self {
+        Self::with_clock(settings, Arc::new(MonotonicClock::new()))
+    }
+
+    /// A store on a given clock (tests drive it by hand).
+    pub fn with_clock(settings: StoreSettings, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            clock,
+            settings,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave a half-written unit: every write
+        // happens after all decisions, so the state is still consistent.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Number of live-or-unswept entries (buckets plus lease records).
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The decision the Redis Function `tollgate_v1_lease` makes, line by line.
+    pub fn lease_at(&self, items: &[LeaseItem], now: u64) -> LeaseOutcome {
+        let mut inner = self.lock();
+        inner.sweep(now);
+
+        let mut grants: Vec<Option<Grant>> = vec![None; items.len()];
+        let mut touched: Vec<Touched> = Vec::new();
+        // (item index, its decision, index into `touched`)
+        let mut decided: Vec<(usize, LeaseGrant, usize)> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            if let Some(record) = inner.lease(&item.lease_key(), now) {
+                if let Some(slot) = grants.get_mut(i) {
+                    *slot = Some(Grant {
+                        granted: record.granted,
+                        remaining: record.remaining,
+                        retry_after_ms: record.retry_after_ms,
+                        replayed: true,
+                    });
+                }
+                continue;
+            }
+            let bucket_key = item.bucket_key();
+            let at = match touched.iter().position(|t| t.key == bucket_key) {
+                Some(at) => at,
+                None => {
+                    let start = match inner.bucket(&bucket_key, now) {
+                        Some(stored) => stored.refilled(&item.limits, now),
+                        None => BucketState::full(&item.limits, now),
+                    };
+                    touched.push(Touched {
+                        key: bucket_key,
+                        start,
+                        state: start,
+                        ttl_ms: bucket_ttl_ms(&item.limits),
+                    });
+                    touched.len() - 1
+                }
+            };
+            let Some(t) = touched.get_mut(at) else {
+                continue;
+            };
+            let (next, grant) =
+                bucket::lease(&item.limits, Some(t.state), now, item.min, item.want);
+            t.state = next;
+            decided.push((i, grant, at));
+        }
+
+        let all = decided.iter().all(|(_, g, _)| g.granted > 0);
+        for t in &touched {
+            let state = if all { t.state } else { t.start };
+            inner.put_bucket(&t.key, state, expiry(now, t.ttl_ms));
+        }
+        let record_expiry = expiry(now, self.settings.dedup_ttl_ms);
+        for (i, grant, at) in decided {
+            let Some(t) = touched.get(at) else {
+                continue;
+            };
+            let (granted, remaining) = if all {
+                (grant.granted, grant.remaining)
+            } else {
+                (0, t.start.tokens)
+            };
+            let Some(item) = items.get(i) else {
+                continue;
+            };
+            inner.put_lease(
+                &item.lease_key(),
+                LeaseRecord {
+                    granted,
+                    returned: 0,
+                    remaining,
+                    retry_after_ms: grant.retry_after_ms,
+                    bucket: t.key.clone(),
+                },
+                record_expiry,
+            );
+            if let Some(slot) = grants.get_mut(i) {
+                *slot = Some(Grant {
+                    granted,
+                    remaining,
+                    retry_after_ms: grant.retry_after_ms,
+                    replayed: false,
+                });
+            }
+        }
+        LeaseOutcome {
+            now_ms: now,
+            grants: grants
+                .into_iter()
+                .map(|g| {
+                    g.unwrap_or(Grant {
+                        granted: 0,
+                        remaining: 0.0,
+                        retry_after_ms: 0,
+                        replayed: false,
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// The decision the Redis Function `tollgate_v1_return` makes, line by line.
+    pub fn give_back_at(&self, item: &ReturnItem, now: u64) -> ReturnOutcome {
+        let mut inner = self.lock();
+        inner.sweep(now);
+        let nothing = ReturnOutcome {
+            now_ms: now,
+            returned: 0,
+        };
+        let lease_key = item.lease_key();
+        let bucket_key = item.bucket_key();
+        let Some(record) = inner.lease(&lease_key, now) else {
+            return nothing;
+        };
+        if record.bucket != bucket_key {
+            return nothing;
+        }
+        let amount = item
+            .unused
+            .min(record.granted.saturating_sub(record.returned));
+        if amount == 0 {
+            return nothing;
+        }
+        let returned = record.returned.saturating_add(amount);
+        let state = inner.bucket(&bucket_key, now);
+        let next = bucket::give_back(&item.limits, state, now, amount);
+        inner.put_bucket(&bucket_key, next, expiry(now, bucket_ttl_ms(&item.limits)));
+        if let Some(entry) = inner.leases.get_mut(&lease_key) {
+            entry.value.returned = returned;
+        }
+        ReturnOutcome {
+            now_ms: now,
+            returned: amount,
+        }
+    }
+}
+
+impl Store for MemoryStore {
+    async fn lease(&self, items: &[LeaseItem]) -> Result<LeaseOutcome, StoreError> {
+        Ok(self.lease_at(items, self.clock.now_ms()))
+    }
+
+    async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {
+        Ok(self.give_back_at(item, self.clock.now_ms()))
+    }
+
+    async fn ready(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn active_keys(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let count = u64::try_from(self.len()).unwrap_or(u64::MAX);
+        Ok(vec![("memory".to_owned(), count)])
+    }
+
+    fn node_for(&self, _key: &str) -> String {
+        "memory".to_owned()
+    }
+
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use tollgate_core::bucket::Limits;
+
+    fn item(id: &str, key: &str, limits: Limits, min: u64, want: u64) -> LeaseItem {
+        LeaseItem {
+            id: id.into(),
+            policy: "p".into(),
+            key: key.into(),
+            limits,
+            min,
+            want,
+        }
+    }
+
+    fn store() -> (MemoryStore, ManualClock) {
+        let clock = ManualClock::new(1_000_000);
+        let store = MemoryStore::with_clock(
+            StoreSettings {
+                dedup_ttl_ms: 60_000,
+            },
+            Arc::new(clock.clone()),
+        );
+        (store, clock)
+    }
+
+    #[test]
+    fn expired_entries_are_swept_in_bounded_batches() {
+        let (store, clock) = store();
+        // 1 unit/10ms, burst 1: full refill 10ms, bucket TTL 1010ms.
+        let l = Limits::new(1, 10, 1).unwrap();
+        for i in 0..100 {
+            let o = store.lease_at(
+                &[item(&format!("id{i}"), &format!("t{i}"), l, 1, 1)],
+                clock.now_ms(),
+            );
+            assert_eq!(o.grants[0].granted, 1);
+        }
+        assert_eq!(store.len(), 200);
+        // Buckets expired, lease records not yet.
+        clock.advance(2_000);
+        let now = clock.now_ms();
+        store.lock().sweep(now);
+        assert_eq!(store.len(), 200 - SWEEP_BATCH);
+        for _ in 0..10 {
+            store.lock().sweep(now);
+        }
+        assert_eq!(store.len(), 100);
+        clock.advance(60_000);
+        for _ in 0..10 {
+            store.lock().sweep(clock.now_ms());
+        }
+        assert!(store.is_empty());
+        assert!(store.lock().expiries.is_empty());
+    }
+
+    #[test]
+    fn rewritten_keys_keep_one_heap_entry() {
+        let (store, clock) = store();
+        let l = Limits::new(1, 10, 5).unwrap();
+        for i in 0..50 {
+            clock.advance(1);
+            store.lease_at(&[item(&format!("id{i}"), "t", l, 1, 1)], clock.now_ms());
+        }
+        // 1 bucket + 50 records, one heap entry each.
+        assert_eq!(store.lock().expiries.len(), 51);
+    }
+
+    #[test]
+    fn an_expired_record_reads_as_absent_before_it_is_swept() {
+        let (store, clock) = store();
+        let l = Limits::new(1, 3_600_000, 5).unwrap();
+        let a = store.lease_at(&[item("x", "t", l, 1, 1)], clock.now_ms());
+        assert_eq!(a.grants[0].granted, 1);
+        clock.advance(60_001);
+        let b = store.lease_at(&[item("x", "t", l, 1, 1)], clock.now_ms());
+        assert!(!b.grants[0].replayed);
+        assert_eq!(b.grants[0].granted, 1);
+    }
+}

@@ -1,0 +1,313 @@
+//! The Rust side of the `tollgate_v1` Redis Function library (`tollgate.lua`): the library
+//! source, how calls are encoded, how replies are decoded, and how Redis errors map onto
+//! [`StoreError`]. Shared by the single-node and the cluster store, so both speak the exact
+//! same contract.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
+
+use super::{
+    bucket_ttl_ms, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, StoreError,
+    StoreSettings,
+};
+
+/// The library source (`FUNCTION LOAD REPLACE`).
+pub const LIBRARY: &str = include_str!("tollgate.lua");
+/// Library name; carries the contract version.
+pub const LIBRARY_NAME: &str = "tollgate_v1";
+pub const LEASE_FN: &str = "tollgate_v1_lease";
+pub const RETURN_FN: &str = "tollgate_v1_return";
+pub const PING_FN: &str = "tollgate_v1_ping";
+
+/// `%.17g`-equivalent text of an `f64` that Lua's `tonumber` reads back to the same value
+/// (Rust's shortest round-trip formatting).
+fn float_arg(x: f64) -> String {
+    format!("{x:?}")
+}
+
+/// `FCALL tollgate_v1_lease` for one unit.
+pub fn lease_cmd(items: &[LeaseItem], settings: &StoreSettings) -> Cmd {
+    let mut cmd = redis::cmd("FCALL");
+    cmd.arg(LEASE_FN).arg(items.len() * 2);
+    for item in items {
+        cmd.arg(item.bucket_key()).arg(item.lease_key());
+    }
+    cmd.arg(settings.dedup_ttl_ms);
+    for item in items {
+        cmd.arg(float_arg(item.limits.capacity()))
+            .arg(float_arg(item.limits.refill_per_ms()))
+            .arg(item.min)
+            .arg(item.want)
+            .arg(bucket_ttl_ms(&item.limits));
+    }
+    cmd
+}
+
+/// `FCALL tollgate_v1_return` for one return.
+pub fn return_cmd(item: &ReturnItem) -> Cmd {
+    let mut cmd = redis::cmd("FCALL");
+    cmd.arg(RETURN_FN)
+        .arg(2)
+        .arg(item.bucket_key())
+        .arg(item.lease_key())
+        .arg(float_arg(item.limits.capacity()))
+        .arg(float_arg(item.limits.refill_per_ms()))
+        .arg(item.unused)
+        .arg(bucket_ttl_ms(&item.limits));
+    cmd
+}
+
+/// `FCALL_RO tollgate_v1_ping 0`.
+pub fn ping_cmd() -> Cmd {
+    let mut cmd = redis::cmd("FCALL_RO");
+    cmd.arg(PING_FN).arg(0);
+    cmd
+}
+
+/// `FUNCTION LOAD REPLACE <library>`.
+pub fn load_cmd() -> Cmd {
+    let mut cmd = redis::cmd("FUNCTION");
+    cmd.arg("LOAD").arg("REPLACE").arg(LIBRARY);
+    cmd
+}
+
+fn protocol(what: &str, value: &Value) -> StoreError {
+    StoreError::Protocol(format!("{what}: {value:?}"))
+}
+
+fn int(value: &Value, what: &str) -> Result<u64, StoreError> {
+    match value {
+        Value::Int(i) => u64::try_from(*i).map_err(|_| protocol(what, value)),
+        _ => Err(protocol(what, value)),
+    }
+}
+
+fn text(value: &Value, what: &str) -> Result<String, StoreError> {
+    match value {
+        Value::BulkString(bytes) => {
+            String::from_utf8(bytes.clone()).map_err(|_| protocol(what, value))
+        }
+        Value::SimpleString(s) => Ok(s.clone()),
+        _ => Err(protocol(what, value)),
+    }
+}
+
+fn float(value: &Value, what: &str) -> Result<f64, StoreError> {
+    let t = text(value, what)?;
+    t.parse::<f64>().map_err(|_| protocol(what, value))
+}
+
+/// A millisecond count the function sent as text: an integer, or a float that saturates.
+fn millis(value: &Value, what: &str) -> Result<u64, StoreError> {
+    let t = text(value, what)?;
+    if let Ok(ms) = t.parse::<u64>() {
+        return Ok(ms);
+    }
+    let f = t.parse::<f64>().map_err(|_| protocol(what, value))?;
+    if f.is_nan() || f < 0.0 {
+        return Err(protocol(what, value));
+    }
+    // `as` saturates, exactly like core's `ms as u64`.
+    Ok(f as u64)
+}
+
+/// Decodes `{ now_ms, (granted, remaining, retry_after_ms, replayed) × n }`.
+pub fn parse_lease_reply(value: &Value, n: usize) -> Result<LeaseOutcome, StoreError> {
+    let Value::Array(items) = value else {
+        return Err(protocol("lease reply is not an array", value));
+    };
+    if items.len() != 1 + 4 * n {
+        return Err(protocol(
+            &format!("lease reply has {} elements for {n} items", items.len()),
+            value,
+        ));
+    }
+    let mut iter = items.iter();
+    let now_ms = int(iter.next().unwrap_or(&Value::Nil), "lease reply: now_ms")?;
+    let mut grants = Vec::with_capacity(n);
+    let nil = Value::Nil;
+    for _ in 0..n {
+        let granted = int(iter.next().unwrap_or(&nil), "lease reply: granted")?;
+        let remaining = float(iter.next().unwrap_or(&nil), "lease reply: remaining")?;
+        let retry_after_ms = millis(iter.next().unwrap_or(&nil), "lease reply: retry_after_ms")?;
+        let replayed = int(iter.next().unwrap_or(&nil), "lease reply: replayed")? == 1;
+        grants.push(Grant {
+            granted,
+            remaining,
+            retry_after_ms,
+            replayed,
+        });
+    }
+    Ok(LeaseOutcome { now_ms, grants })
+}
+
+/// Decodes `{ now_ms, returned }`.
+pub fn parse_return_reply(value: &Value) -> Result<ReturnOutcome, StoreError> {
+    match value {
+        Value::Array(items) if items.len() == 2 => {
+            let nil = Value::Nil;
+            Ok(ReturnOutcome {
+                now_ms: int(items.first().unwrap_or(&nil), "return reply: now_ms")?,
+                returned: int(items.get(1).unwrap_or(&nil), "return reply: returned")?,
+            })
+        }
+        _ => Err(protocol("return reply", value)),
+    }
+}
+
+/// Checks the ping reply names our library.
+pub fn check_ping_reply(value: &Value) -> Result<(), StoreError> {
+    match value {
+        Value::BulkString(b) if b.as_slice() == LIBRARY_NAME.as_bytes() => Ok(()),
+        Value::SimpleString(s) if s == LIBRARY_NAME => Ok(()),
+        _ => Err(protocol("ping reply", value)),
+    }
+}
+
+/// Whether `e` says our functions are not loaded on the node that answered (a restarted or
+/// flushed server, a fresh replica promoted without them).
+pub fn is_function_missing(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
+        || e.detail().is_some_and(|d| d.contains("Function not found"))
+        || e.to_string().contains("Function not found")
+}
+
+/// Maps a redis-rs error onto a [`StoreError`].
+pub fn map_error(e: &RedisError) -> StoreError {
+    if is_function_missing(e) {
+        return StoreError::FunctionMissing(e.to_string());
+    }
+    if e.is_timeout() {
+        return StoreError::Connection(format!("timed out: {e}"));
+    }
+    if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
+        return StoreError::Connection(e.to_string());
+    }
+    match e.kind() {
+        ErrorKind::Server(ServerErrorKind::BusyLoading) => StoreError::Loading,
+        ErrorKind::Server(ServerErrorKind::ReadOnly) => StoreError::ReadOnly(e.to_string()),
+        ErrorKind::Server(
+            ServerErrorKind::Moved
+            | ServerErrorKind::Ask
+            | ServerErrorKind::TryAgain
+            | ServerErrorKind::ClusterDown
+            | ServerErrorKind::MasterDown,
+        ) => StoreError::Cluster(e.to_string()),
+        ErrorKind::ClusterConnectionNotFound => StoreError::Connection(e.to_string()),
+        ErrorKind::Parse | ErrorKind::UnexpectedReturnType => StoreError::Protocol(e.to_string()),
+        ErrorKind::InvalidClientConfig => StoreError::Config(e.to_string()),
+        _ => StoreError::Server(e.to_string()),
+    }
+}
+
+/// Coalesces library reloads: when many concurrent calls find the functions missing at
+/// once (a restarted Redis), one of them reloads and the others just retry.
+#[derive(Debug, Default)]
+pub struct Reloader {
+    lock: tokio::sync::Mutex<()>,
+    generation: AtomicU64,
+}
+
+impl Reloader {
+    /// The current generation; pass it to [`Reloader::reload`] after a call failed.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Runs `load` unless someone reloaded since `seen` was read.
+    pub async fn reload<F, Fut>(&self, seen: u64, load: F) -> Result<(), StoreError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<(), StoreError>>,
+    {
+        let _guard = self.lock.lock().await;
+        if self.generation() != seen {
+            return Ok(());
+        }
+        load().await?;
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tollgate_core::bucket::Limits;
+
+    #[test]
+    fn float_args_round_trip() {
+        for x in [0.1, 1.0 / 3.0, 100.0, 1e-11, 123_456_789.123_456_78] {
+            let s = float_arg(x);
+            assert_eq!(s.parse::<f64>().unwrap(), x, "{s}");
+        }
+    }
+
+    #[test]
+    fn lease_command_layout() {
+        let limits = Limits::new(100, 1_000, 20).unwrap();
+        let item = LeaseItem {
+            id: "id-1".into(),
+            policy: "p".into(),
+            key: "acme".into(),
+            limits,
+            min: 1,
+            want: 5,
+        };
+        let cmd = lease_cmd(
+            &[item],
+            &StoreSettings {
+                dedup_ttl_ms: 60_000,
+            },
+        );
+        let args: Vec<String> = cmd
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
+                _ => "<other>".into(),
+            })
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "FCALL",
+                "tollgate_v1_lease",
+                "2",
+                "tollgate:{acme}:p:acme",
+                "tollgate:{acme}:lease:id-1",
+                "60000",
+                "20.0",
+                "0.1",
+                "1",
+                "5",
+                "1200"
+            ]
+        );
+    }
+
+    #[test]
+    fn parses_replies() {
+        let v = Value::Array(vec![
+            Value::Int(1_700_000_000_000),
+            Value::Int(5),
+            Value::BulkString(b"12.5".to_vec()),
+            Value::BulkString(b"0".to_vec()),
+            Value::Int(0),
+            Value::Int(0),
+            Value::BulkString(b"0.30000000000000004".to_vec()),
+            Value::BulkString(b"1.8446744073709552e+19".to_vec()),
+            Value::Int(1),
+        ]);
+        let o = parse_lease_reply(&v, 2).unwrap();
+        assert_eq!(o.now_ms, 1_700_000_000_000);
+        assert_eq!(o.grants[0].granted, 5);
+        assert_eq!(o.grants[0].remaining, 12.5);
+        assert_eq!(o.grants[1].remaining, 0.1 + 0.2);
+        assert_eq!(o.grants[1].retry_after_ms, u64::MAX);
+        assert!(o.grants[1].replayed);
+        assert!(parse_lease_reply(&v, 1).is_err());
+        assert!(parse_return_reply(&Value::Array(vec![Value::Int(1), Value::Int(3)])).is_ok());
+        assert!(parse_return_reply(&Value::Nil).is_err());
+    }
+}
