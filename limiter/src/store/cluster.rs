@@ -193,7 +193,9 @@ impl RedisClusterStore {
 
     async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         let mut conn = self.conn.clone();
-        cmd.query_async(&mut conn).await
+        cmd.query_async::<Value>(&mut conn)
+            .await
+            .and_then(Value::extract_error)
     }
 
     async fn on_every_primary(&self, cmd: Cmd) -> Result<Value, RedisError> {
@@ -206,6 +208,7 @@ impl RedisClusterStore {
             )),
         )
         .await
+        .and_then(Value::extract_error)
     }
 
     /// Loads (or replaces) the `tollgate_v1` library on every primary.
@@ -242,6 +245,7 @@ async fn fetch_slot_map(conn: &ClusterConnection) -> Result<SlotMap, StoreError>
     let reply = conn
         .route_command(cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random))
         .await
+        .and_then(Value::extract_error)
         .map_err(|e| script::map_error(&e))?;
     SlotMap::parse(&reply)
 }

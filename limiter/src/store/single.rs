@@ -66,7 +66,9 @@ impl RedisStore {
 
     async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         let mut conn = self.conn.clone();
-        cmd.query_async(&mut conn).await
+        cmd.query_async::<Value>(&mut conn)
+            .await
+            .and_then(Value::extract_error)
     }
 
     /// Loads (or replaces) the `tollgate_v1` library.

@@ -1,0 +1,171 @@
+//! Shared test support for the limiter's integration tests: the test policy document, unique
+//! keys, store and server constructors, a shared Redis and Redis Cluster per test binary, and a
+//! small JSON-over-HTTP client. Real processes come from the `tollgate-e2e` harness.
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde_json::Value;
+use tollgate_core::bucket::Limits;
+use tollgate_core::policy::Policies;
+use tollgate_e2e::{RedisCluster, RedisServer, RequestSpec};
+use tollgate_limiter::store::{LeaseItem, ReturnItem, StoreSettings};
+use tollgate_limiter::{serve, Running, ServerConfig, StoreConfig};
+
+/// Policies every test uses. "Negligible refill" policies refill 1 unit per hour, so a test
+/// lasting seconds sees at most a thousandth of a token come back.
+pub const DOC: &str = r#"{
+  "policies": [
+    {"name": "hundred", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1h"},
+     "burst": 100, "scope": "global"},
+    {"name": "tenant", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1h"},
+     "burst": 10, "scope": "global"},
+    {"name": "route", "key": [{"header": "x-tenant"}, {"header": "x-route"}],
+     "rate": {"units": 1, "per": "1h"}, "burst": 3, "scope": "global"},
+    {"name": "fast", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1ms"},
+     "burst": 10, "scope": "global"},
+    {"name": "tenth", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "10ms"},
+     "burst": 10, "scope": "global"},
+    {"name": "slowish", "key": [{"header": "x-tenant"}], "rate": {"units": 3, "per": "1s"},
+     "burst": 5, "scope": "global"},
+    {"name": "thousand", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1h"},
+     "burst": 1000, "scope": "global"},
+    {"name": "local-only", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1s"},
+     "burst": 10}
+  ],
+  "limiter": {"cluster": "tollgate_limiter"}
+}"#;
+
+pub fn policies() -> &'static Policies {
+    static P: OnceLock<Policies> = OnceLock::new();
+    P.get_or_init(|| Policies::from_json(DOC.as_bytes()).expect("test policy document"))
+}
+
+pub fn limits(policy: &str) -> Limits {
+    policies().get(policy).expect("test policy").limits
+}
+
+/// A key nobody else in this test run uses: `<prefix>-<pid>-<n>` (a valid one-part key).
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub fn settings() -> StoreSettings {
+    StoreSettings {
+        dedup_ttl_ms: 60_000,
+    }
+}
+
+pub fn lease(id: &str, policy: &str, key: &str, min: u64, want: u64) -> LeaseItem {
+    LeaseItem {
+        id: id.into(),
+        policy: policy.into(),
+        key: key.into(),
+        limits: limits(policy),
+        min,
+        want,
+    }
+}
+
+pub fn give_back(id: &str, policy: &str, key: &str, unused: u64) -> ReturnItem {
+    ReturnItem {
+        id: id.into(),
+        policy: policy.into(),
+        key: key.into(),
+        limits: limits(policy),
+        unused,
+    }
+}
+
+/// One standalone Redis for the whole test binary (tests use unique keys).
+pub fn shared_redis() -> &'static RedisServer {
+    static R: OnceLock<RedisServer> = OnceLock::new();
+    R.get_or_init(|| {
+        RedisServer::start_with(tollgate_e2e::redis::RedisOptions {
+            name: "limiter-shared".into(),
+            ..Default::default()
+        })
+    })
+}
+
+/// One 3-primary/3-replica Redis Cluster for the whole test binary.
+pub fn shared_cluster() -> &'static RedisCluster {
+    static C: OnceLock<RedisCluster> = OnceLock::new();
+    C.get_or_init(|| RedisCluster::start(3, 1))
+}
+
+/// Writes a policy document to a fresh file.
+pub fn policy_file(doc: &str) -> PathBuf {
+    let dir = tollgate_e2e::paths::new_log_dir("", "policies");
+    let path = dir.join("policies.json");
+    std::fs::write(&path, doc).expect("write policy file");
+    path
+}
+
+/// A config on 127.0.0.1:0 with the test policies.
+pub fn config(store: StoreConfig) -> ServerConfig {
+    let mut c = ServerConfig::new(policy_file(DOC));
+    c.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    c.store = store;
+    c.policy_poll = Duration::from_millis(50);
+    c
+}
+
+pub async fn start(store: StoreConfig) -> Running {
+    start_with(config(store)).await
+}
+
+pub async fn start_with(config: ServerConfig) -> Running {
+    serve(config).await.expect("limiter starts")
+}
+
+/// POSTs JSON and parses the JSON answer.
+pub async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Value) {
+    let r = tollgate_e2e::client::try_send(addr.port(), RequestSpec::post(path, body))
+        .await
+        .unwrap_or_else(|e| panic!("POST {path}: {e}"));
+    let v = serde_json::from_str(&r.body).unwrap_or(Value::String(r.body.clone()));
+    (r.status, v)
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let r = tollgate_e2e::client::try_send(addr.port(), RequestSpec::get(path))
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"));
+    (r.status, r.body)
+}
+
+/// Body of a one-item lease batch.
+pub fn lease_body(id: &str, policy: &str, key: &str, min: u64, want: u64) -> String {
+    format!(
+        r#"{{"leases":[{{"id":"{id}","policy":"{policy}","key":"{key}","min":{min},"want":{want}}}]}}"#
+    )
+}
+
+pub fn return_body(id: &str, policy: &str, key: &str, unused: u64) -> String {
+    format!(
+        r#"{{"returns":[{{"id":"{id}","policy":"{policy}","key":"{key}","unused":{unused}}}]}}"#
+    )
+}
+
+/// `granted` of the first lease in an answer (panics on anything else).
+pub fn granted(v: &Value) -> u64 {
+    v["leases"][0]["granted"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no grant in {v}"))
+}
