@@ -1,18 +1,24 @@
-//! The proxy-wasm glue: reads the plugin configuration, opens the shared bucket table, and for
-//! each request hands the engine what it reads through `proxy_wasm::hostcalls` (the calls that
+//! The proxy-wasm glue: reads the plugin configuration, opens the shared table, and for each
+//! request hands the engine what it reads through `proxy_wasm::hostcalls` (the calls that
 //! return `Result`; the SDK's trait helpers unwrap, and a panic would kill the worker's VM).
+//! The root context owns the worker's callouts (see `worker`).
 
-use crate::engine::{check_supported, Engine, SHARED_PREFIX};
+use crate::engine::{check_supported, Attempt, Engine, Verdict, SHARED_PREFIX};
+use crate::global::DEADLINE_MARGIN_MS;
 use crate::metrics::Metrics;
 use crate::request::{RequestFacts, RequestSource};
-use crate::shared::HostSharedData;
+use crate::shared::{HostSharedData, SharedData, WriteError};
 use crate::table::SlotTable;
+use crate::worker::{Host, ResponseHeaders, Worker};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
+use std::cell::RefCell;
 use std::rc::Rc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 use tollgate_core::policy::{authority_host, Policies};
+use tollgate_core::protocol::MAX_BODY_BYTES;
+use tollgate_core::response::LocalReply;
 
 /// Largest plugin configuration read.
 const MAX_CONFIG_BYTES: usize = 4 * 1024 * 1024;
@@ -20,9 +26,11 @@ const MAX_CONFIG_BYTES: usize = 4 * 1024 * 1024;
 struct Configured {
     engine: Engine,
     metrics: Metrics,
+    worker: RefCell<Worker>,
+    queue: Option<u32>,
 }
 
-/// One per VM (per worker): owns the configuration.
+/// One per VM (per worker): owns the configuration and the worker's callouts.
 pub struct Root {
     context_id: u32,
     configured: Option<Rc<Configured>>,
@@ -49,23 +57,102 @@ impl Root {
             policies.local_table.slots,
             seed,
         )
-        .map_err(|error| format!("cannot create the shared bucket table: {error:?}"))?;
+        .map_err(|error| format!("cannot create the shared table: {error:?}"))?;
+        let mut instance = [0u8; 8];
+        for (dst, src) in instance.iter_mut().zip(table.salt()) {
+            *dst = *src;
+        }
+        let instance = u64::from_le_bytes(instance);
+        let worker_index = next_worker_index(&HostSharedData);
+        let queue = if policies.limiter.is_some() {
+            let name = format!("{SHARED_PREFIX}queue/{instance:016x}/{worker_index}");
+            Some(
+                hostcalls::register_shared_queue(&name)
+                    .map_err(|status| format!("cannot register the worker queue: {status:?}"))?,
+            )
+        } else {
+            None
+        };
         let metrics = Metrics::define(&policies);
         Ok(Configured {
             engine: Engine::new(policies, table),
             metrics,
+            worker: RefCell::new(Worker::new(instance, worker_index)),
+            queue,
         })
+    }
+
+    fn host(&self, configured: &Configured) -> RootHost {
+        RootHost {
+            root_id: self.context_id,
+            cluster: configured
+                .engine
+                .limiter()
+                .map(|l| l.cluster.clone())
+                .unwrap_or_default(),
+            authority: configured
+                .engine
+                .limiter()
+                .map(|l| l.authority.clone())
+                .unwrap_or_default(),
+        }
     }
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(configured) = self.configured.clone() else {
+            return;
+        };
+        // A reset or failed callout has no headers; reading one header then would panic in the SDK.
+        let status = if num_headers == 0 {
+            None
+        } else {
+            hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
+                .ok()
+                .and_then(|headers| {
+                    headers
+                        .into_iter()
+                        .find(|(name, _)| name == ":status")
+                        .and_then(|(_, value)| std::str::from_utf8(&value).ok()?.parse().ok())
+                })
+        };
+        let body = if body_size > 0 && body_size <= MAX_BODY_BYTES {
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let host = self.host(&configured);
+        if let Ok(mut worker) = configured.worker.try_borrow_mut() {
+            worker.complete(
+                token_id,
+                status,
+                &body,
+                &configured.engine,
+                &HostSharedData,
+                &configured.metrics,
+                &host,
+                now_ms(),
+            );
+        };
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         match self.configure() {
             Ok(configured) => {
                 log::info!(
-                    "tollgate: {} policies loaded (version {}), local table of {} slots",
+                    "tollgate: {} policies loaded (version {}), shared table of {} slots",
                     configured.engine.policies.policies.len(),
                     configured.engine.policies.version,
                     configured.engine.policies.local_table.slots
@@ -80,10 +167,45 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        let Some(configured) = self.configured.clone() else {
+            return;
+        };
+        // Wake-ups carry no data; drain them all, then dispatch what the requests queued.
+        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
+        let host = self.host(&configured);
+        if let Ok(mut worker) = configured.worker.try_borrow_mut() {
+            worker.flush(
+                &configured.engine,
+                &HostSharedData,
+                &configured.metrics,
+                &host,
+                now_ms(),
+            );
+        };
+    }
+
+    fn on_tick(&mut self) {
+        let Some(configured) = self.configured.clone() else {
+            return;
+        };
+        let host = self.host(&configured);
+        if let Ok(mut worker) = configured.worker.try_borrow_mut() {
+            worker.tick(
+                &configured.engine,
+                &HostSharedData,
+                &configured.metrics,
+                &host,
+                now_ms(),
+            );
+        };
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Http {
+            context_id,
             configured: self.configured.clone(),
-            response_headers: Vec::new(),
+            response_headers: Rc::new(RefCell::new(Vec::new())),
         }))
     }
 
@@ -92,13 +214,83 @@ impl RootContext for Root {
     }
 }
 
+/// The host as the root context sees it: callouts are the root's (they outlive requests), and
+/// after touching a request the effective context goes back to the root.
+struct RootHost {
+    root_id: u32,
+    cluster: String,
+    authority: String,
+}
+
+impl Host for RootHost {
+    fn dispatch(&self, path: &str, body: &[u8], timeout_ms: u64) -> Result<u32, String> {
+        let headers = vec![
+            (":method", "POST"),
+            (":path", path),
+            (":authority", self.authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        hostcalls::dispatch_http_call(
+            &self.cluster,
+            headers,
+            Some(body),
+            vec![],
+            Duration::from_millis(timeout_ms.max(1)),
+        )
+        .map_err(|status| format!("dispatch to cluster `{}` refused: {status:?}", self.cluster))
+    }
+
+    fn resume(&self, context_id: u32) -> bool {
+        let done = hostcalls::set_effective_context(context_id).is_ok()
+            && hostcalls::resume_http_request().is_ok();
+        let _ = hostcalls::set_effective_context(self.root_id);
+        done
+    }
+
+    fn reply(&self, context_id: u32, reply: &LocalReply) -> bool {
+        let done = hostcalls::set_effective_context(context_id).is_ok() && send_reply(reply);
+        let _ = hostcalls::set_effective_context(self.root_id);
+        done
+    }
+
+    fn set_tick(&self, period_ms: u64) {
+        let _ = hostcalls::set_tick_period(Duration::from_millis(period_ms));
+    }
+}
+
+fn send_reply(reply: &LocalReply) -> bool {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    match hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
+        Ok(()) => true,
+        Err(status) => {
+            log::warn!("tollgate: cannot send local reply: {status:?}");
+            false
+        }
+    }
+}
+
 /// One per request.
 struct Http {
+    context_id: u32,
     configured: Option<Rc<Configured>>,
-    response_headers: Vec<(String, String)>,
+    response_headers: ResponseHeaders,
 }
 
 impl Context for Http {}
+
+impl Drop for Http {
+    fn drop(&mut self) {
+        if let Some(configured) = &self.configured {
+            if let Ok(mut worker) = configured.worker.try_borrow_mut() {
+                worker.forget(self.context_id);
+            }
+        }
+    }
+}
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
@@ -111,37 +303,69 @@ impl HttpContext for Http {
             path: source.header_text(":path"),
             host: authority_host(&source.header_text(":authority")),
         };
-        let now_ms = now_nanos() / 1_000_000;
-        let evaluation = configured
-            .engine
-            .evaluate(&facts, &source, &HostSharedData, now_ms);
-        configured.metrics.record(&evaluation);
-        match evaluation.reply {
-            Some(reply) => {
-                let headers: Vec<(&str, &str)> = reply
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), v.as_str()))
-                    .collect();
-                if let Err(status) = hostcalls::send_http_response(
-                    reply.status,
-                    headers,
-                    Some(reply.body.as_bytes()),
+        let engine = &configured.engine;
+        let plan = engine.plan(&facts, &source);
+        if plan.is_empty() {
+            return Action::Continue;
+        }
+        let now = now_ms();
+        let mut decision = engine.decide(&plan, &HostSharedData, now, Attempt::default());
+        let mut wake = false;
+        if let Ok(mut worker) = configured.worker.try_borrow_mut() {
+            if decision.verdict == Verdict::Wait {
+                let timeout = engine.limiter().map_or(0, |l| l.timeout.0);
+                let deadline = now + timeout + DEADLINE_MARGIN_MS;
+                if worker.wait(
+                    self.context_id,
+                    plan.clone(),
+                    &decision,
+                    deadline,
+                    self.response_headers.clone(),
                 ) {
-                    log::warn!("tollgate: cannot send local reply: {status:?}");
-                    return Action::Continue;
+                    wake = worker.queue(&decision);
+                } else {
+                    // Too many requests already wait on this worker: decide without waiting.
+                    decision = engine.decide(
+                        &plan,
+                        &HostSharedData,
+                        now,
+                        Attempt {
+                            round: 0,
+                            deadline_passed: true,
+                        },
+                    );
+                    wake = worker.queue(&decision);
                 }
-                Action::Pause
+            } else {
+                wake = worker.queue(&decision);
             }
-            None => {
-                self.response_headers = evaluation.response_headers;
+        }
+        if wake {
+            if let Some(queue) = configured.queue {
+                let _ = hostcalls::enqueue_shared_queue(queue, Some(b"w"));
+            }
+        }
+        match &decision.verdict {
+            Verdict::Wait => Action::Pause,
+            Verdict::Reply(reply) => {
+                configured.metrics.record(&decision);
+                if send_reply(reply) {
+                    Action::Pause
+                } else {
+                    Action::Continue
+                }
+            }
+            Verdict::Continue => {
+                configured.metrics.record(&decision);
+                *self.response_headers.borrow_mut() = decision.response_headers.clone();
                 Action::Continue
             }
         }
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        for (name, value) in std::mem::take(&mut self.response_headers) {
+        let headers = std::mem::take(&mut *self.response_headers.borrow_mut());
+        for (name, value) in headers {
             let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, &name, &value);
         }
         Action::Continue
@@ -172,10 +396,36 @@ impl RequestSource for HostRequest {
     }
 }
 
+/// A number unique to this worker among the VMs sharing the vm_id (CAS-incremented counter).
+fn next_worker_index(store: &impl SharedData) -> u64 {
+    let key = format!("{SHARED_PREFIX}workers");
+    for _ in 0..64 {
+        let (value, cas) = match store.get(&key) {
+            Ok(read) => read,
+            Err(_) => break,
+        };
+        let current = value
+            .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+            .map_or(0, u64::from_le_bytes);
+        let next = current.wrapping_add(1);
+        // A missing key is created whatever CAS is given; a present one must match.
+        match store.set(&key, &next.to_le_bytes(), Some(cas.unwrap_or(u32::MAX))) {
+            Ok(()) => return next,
+            Err(WriteError::CasMismatch) => continue,
+            Err(WriteError::Host) => break,
+        }
+    }
+    now_nanos() & 0xffff
+}
+
 fn now_nanos() -> u64 {
     hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
         .unwrap_or(0)
+}
+
+fn now_ms() -> u64 {
+    now_nanos() / 1_000_000
 }

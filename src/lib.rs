@@ -1,14 +1,17 @@
 //! The tollgate proxy-wasm HTTP filter.
 //!
-//! `engine` decides (policies, keys, local buckets, failure and shadow modes) without any
-//! proxy-wasm call, so it is unit-tested natively; `filter` is the thin glue to Envoy.
+//! `engine` decides (policies, keys, local buckets, leases of the global budget, failure and
+//! shadow modes) and `global` holds the lease rules, both without any proxy-wasm call, so they
+//! are unit-tested natively; `filter` and `worker` are the glue to Envoy.
 
 pub mod engine;
 pub mod filter;
+pub mod global;
 pub mod metrics;
 pub mod request;
 pub mod shared;
 pub mod table;
+pub mod worker;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{

@@ -1,37 +1,119 @@
-//! The filter's counters, as proxy-wasm metrics. Envoy shows them as `wasmcustom.<name>`; names
+//! The filter's metrics, as proxy-wasm metrics. Envoy shows them as `wasmcustom.<name>`; names
 //! follow `tollgate_<what>.policy.<policy name>` so the bootstrap's `stats_tags` entry
 //! (see `envoy/*.yaml`) turns the policy into a Prometheus label:
 //! `tollgate_allowed{policy="payments-per-tenant"}`. Label values are policy names, never
 //! tenants.
 
-use crate::engine::{Evaluation, Outcome};
+use crate::engine::{Decision, Outcome};
 use crate::table::TableError;
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 use tollgate_core::policy::Policies;
 
+/// Where metrics go: the host's stats in Envoy.
+#[cfg(target_arch = "wasm32")]
+mod sink {
+    use proxy_wasm::hostcalls;
+    use proxy_wasm::types::MetricType;
+
+    pub fn define(kind: MetricType, name: &str) -> Result<u32, String> {
+        hostcalls::define_metric(kind, name).map_err(|status| format!("{status:?}"))
+    }
+
+    pub fn increment(id: u32, by: i64) {
+        let _ = hostcalls::increment_metric(id, by);
+    }
+
+    pub fn record(id: u32, value: u64) {
+        let _ = hostcalls::record_metric(id, value);
+    }
+}
+
+/// Where metrics go in native unit tests: a per-thread registry the tests can read.
+#[cfg(not(target_arch = "wasm32"))]
+pub mod sink {
+    use proxy_wasm::types::MetricType;
+    use std::cell::RefCell;
+
+    thread_local! {
+        static METRICS: RefCell<Vec<(String, u64)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub fn define(_kind: MetricType, name: &str) -> Result<u32, String> {
+        METRICS.with(|m| {
+            let mut m = m.borrow_mut();
+            let id = match m.iter().position(|(n, _)| n == name) {
+                Some(id) => id,
+                None => {
+                    m.push((name.to_string(), 0));
+                    m.len() - 1
+                }
+            };
+            u32::try_from(id).map_err(|e| e.to_string())
+        })
+    }
+
+    pub fn increment(id: u32, by: i64) {
+        METRICS.with(|m| {
+            if let Some((_, v)) = m.borrow_mut().get_mut(id as usize) {
+                *v = v.saturating_add(by.unsigned_abs());
+            }
+        });
+    }
+
+    pub fn record(id: u32, value: u64) {
+        METRICS.with(|m| {
+            if let Some((_, v)) = m.borrow_mut().get_mut(id as usize) {
+                *v = v.saturating_add(value);
+            }
+        });
+    }
+
+    /// The value of a metric on this thread (0 if never defined).
+    pub fn value(name: &str) -> u64 {
+        METRICS.with(|m| {
+            m.borrow()
+                .iter()
+                .find(|(n, _)| n == name)
+                .map_or(0, |(_, v)| *v)
+        })
+    }
+}
+
 #[derive(Debug, Clone, Default)]
-struct PolicyCounters {
+struct PolicyMetrics {
     allowed: Option<u32>,
     denied: Option<u32>,
     shadow_denied: Option<u32>,
     identity_missing: Option<u32>,
     fail_open: Option<u32>,
     fail_closed: Option<u32>,
+    fallback_allowed: Option<u32>,
+    fallback_denied: Option<u32>,
+    lease_requests: Option<u32>,
+    tokens_granted: Option<u32>,
+    tokens_returned: Option<u32>,
+    tokens_expired: Option<u32>,
+    limiter_unavailable: Option<u32>,
+    invalid_policy: Option<u32>,
 }
 
 /// Metric ids of one VM (ids are per VM; the stats they name are shared by all workers).
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
-    policies: Vec<PolicyCounters>,
+    policies: Vec<PolicyMetrics>,
     table_full: Option<u32>,
     table_contended: Option<u32>,
     table_host_error: Option<u32>,
     table_evictions: Option<u32>,
+    callouts: Option<u32>,
+    callouts_failed: Option<u32>,
+    callout_ms: Option<u32>,
+    version_mismatch: Option<u32>,
+    waiting_deadline: Option<u32>,
 }
 
-fn counter(name: &str) -> Option<u32> {
-    match hostcalls::define_metric(MetricType::Counter, name) {
+fn define(kind: MetricType, name: &str) -> Option<u32> {
+    match sink::define(kind, name) {
         Ok(id) => Some(id),
         Err(status) => {
             log::warn!("tollgate: cannot define metric {name}: {status:?}");
@@ -40,38 +122,67 @@ fn counter(name: &str) -> Option<u32> {
     }
 }
 
-fn bump(id: Option<u32>, by: u32) {
-    if let (Some(id), true) = (id, by > 0) {
-        let _ = hostcalls::increment_metric(id, i64::from(by));
+fn counter(name: &str) -> Option<u32> {
+    define(MetricType::Counter, name)
+}
+
+fn bump(id: Option<u32>, by: u64) {
+    if let (Some(id), Ok(by @ 1..)) = (id, i64::try_from(by)) {
+        sink::increment(id, by);
     }
 }
 
+/// Per-policy counters of the global stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseEvent {
+    Requested,
+    Granted(u64),
+    Returned(u64),
+    Expired(u64),
+    Unavailable,
+    InvalidPolicy,
+}
+
 impl Metrics {
-    /// Defines every counter (idempotent by name across VMs).
+    /// Defines every metric (idempotent by name across VMs).
     pub fn define(policies: &Policies) -> Self {
         let per = |what: &str, policy: &str| counter(&format!("tollgate_{what}.policy.{policy}"));
         Self {
             policies: policies
                 .policies
                 .iter()
-                .map(|p| PolicyCounters {
+                .map(|p| PolicyMetrics {
                     allowed: per("allowed", &p.name),
                     denied: per("denied", &p.name),
                     shadow_denied: per("shadow_denied", &p.name),
                     identity_missing: per("identity_missing", &p.name),
                     fail_open: per("fail_open", &p.name),
                     fail_closed: per("fail_closed", &p.name),
+                    fallback_allowed: per("fallback_allowed", &p.name),
+                    fallback_denied: per("fallback_denied", &p.name),
+                    lease_requests: per("lease_requests", &p.name),
+                    tokens_granted: per("tokens_granted", &p.name),
+                    tokens_returned: per("tokens_returned", &p.name),
+                    tokens_expired: per("tokens_expired", &p.name),
+                    limiter_unavailable: per("limiter_unavailable", &p.name),
+                    invalid_policy: per("invalid_policy", &p.name),
                 })
                 .collect(),
             table_full: counter("tollgate_local_table_full"),
             table_contended: counter("tollgate_local_table_contended"),
             table_host_error: counter("tollgate_local_table_host_error"),
             table_evictions: counter("tollgate_local_table_evictions"),
+            callouts: counter("tollgate_callouts"),
+            callouts_failed: counter("tollgate_callouts_failed"),
+            callout_ms: define(MetricType::Histogram, "tollgate_callout_ms"),
+            version_mismatch: counter("tollgate_policy_version_mismatch"),
+            waiting_deadline: counter("tollgate_wait_deadline_passed"),
         }
     }
 
-    pub fn record(&self, evaluation: &Evaluation) {
-        for (index, outcome) in &evaluation.outcomes {
+    /// Counts what a decision decided (not for `Wait`: the request is counted when it ends).
+    pub fn record(&self, decision: &Decision) {
+        for (index, outcome) in &decision.outcomes {
             let Some(c) = self.policies.get(*index) else {
                 continue;
             };
@@ -82,15 +193,52 @@ impl Metrics {
                 Outcome::IdentityMissing => c.identity_missing,
                 Outcome::FailOpen => c.fail_open,
                 Outcome::FailClosed => c.fail_closed,
+                Outcome::FallbackAllowed => c.fallback_allowed,
+                Outcome::FallbackDenied => c.fallback_denied,
             };
             bump(id, 1);
         }
-        match evaluation.table_error {
+        for (index, tokens) in &decision.expired {
+            self.lease(*index, LeaseEvent::Expired(*tokens));
+        }
+        match decision.table_error {
             Some(TableError::Full) => bump(self.table_full, 1),
             Some(TableError::Contended) => bump(self.table_contended, 1),
             Some(TableError::Host) => bump(self.table_host_error, 1),
             None => {}
         }
-        bump(self.table_evictions, evaluation.evictions);
+        bump(self.table_evictions, u64::from(decision.evictions));
+    }
+
+    pub fn lease(&self, policy: usize, event: LeaseEvent) {
+        let Some(c) = self.policies.get(policy) else {
+            return;
+        };
+        match event {
+            LeaseEvent::Requested => bump(c.lease_requests, 1),
+            LeaseEvent::Granted(n) => bump(c.tokens_granted, n),
+            LeaseEvent::Returned(n) => bump(c.tokens_returned, n),
+            LeaseEvent::Expired(n) => bump(c.tokens_expired, n),
+            LeaseEvent::Unavailable => bump(c.limiter_unavailable, 1),
+            LeaseEvent::InvalidPolicy => bump(c.invalid_policy, 1),
+        }
+    }
+
+    pub fn callout(&self, elapsed_ms: u64, failed: bool) {
+        bump(self.callouts, 1);
+        if failed {
+            bump(self.callouts_failed, 1);
+        }
+        if let Some(id) = self.callout_ms {
+            sink::record(id, elapsed_ms);
+        }
+    }
+
+    pub fn version_mismatch(&self) {
+        bump(self.version_mismatch, 1);
+    }
+
+    pub fn deadline_passed(&self) {
+        bump(self.waiting_deadline, 1);
     }
 }

@@ -7,14 +7,17 @@
 //! bucket, so that eviction loses nothing). When every probe holds a live bucket the table is
 //! full and the caller applies the policy's failure mode; another tenant's slot is never shared.
 //!
-//! Updates are compare-and-swap per slot with a bounded number of attempts. Several buckets
-//! (several policies on one request) are charged all-or-nothing: all are read and decided first,
-//! a denial writes nothing, and a lost race while writing refunds what was already written
-//! before trying again.
+//! Updates are compare-and-swap per slot with a bounded number of attempts. Several records
+//! (several policies on one request) change all-or-nothing in one [`SlotTable::transact`]: all
+//! are read and decided first, an aborted decision writes nothing, and a lost race while writing
+//! refunds what was already written before trying again.
+//!
+//! A slot holds one [`Record`]: the local token bucket of a (policy, key) and, for global
+//! policies, this instance's lease of the global budget with its bookkeeping.
 
 use crate::shared::{SharedData, WriteError};
 use sha2::{Digest, Sha256};
-use tollgate_core::bucket::{try_take, BucketState, Decision, Limits};
+use tollgate_core::bucket::BucketState;
 
 /// Slots examined per bucket id.
 pub const PROBES: u32 = 4;
@@ -22,12 +25,13 @@ pub const PROBES: u32 = 4;
 pub const MAX_ATTEMPTS: u32 = 8;
 
 const TAG_EMPTY: u8 = 0;
-const TAG_BUCKET: u8 = 1;
+/// Version tag of the record encoding; other tags read as empty.
+const TAG_RECORD: u8 = 2;
 
 /// Why the table could not decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TableError {
-    /// Every probe slot of a bucket holds another live bucket.
+    /// Every probe slot of a key holds another live record.
     Full,
     /// Other workers kept winning the CAS race.
     Contended,
@@ -35,82 +39,162 @@ pub enum TableError {
     Host,
 }
 
-/// One bucket to charge.
-#[derive(Debug, Clone, Copy)]
-pub struct Charge<'a> {
-    pub bucket_id: &'a str,
-    pub limits: &'a Limits,
-    pub cost: u64,
+/// This instance's share of a global bucket, and what it knows about the limiter.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Lease {
+    /// Leased tokens not yet spent.
+    pub tokens: u64,
+    /// After this, unspent tokens are no longer spent (they are returned or count as expired).
+    pub expires_ms: u64,
+    /// Sequence number of the latest lease of this key (its id is built from it).
+    pub seq: u64,
+    /// What the latest lease granted: a return never gives back more.
+    pub granted: u64,
+    /// A background refill is in flight on this instance until this time.
+    pub pending_until_ms: u64,
+    /// The limiter said "over limit" until this time: deny without asking again.
+    pub denied_until_ms: u64,
+    /// Start of the current limiter outage for this key (0: none).
+    pub unavailable_since_ms: u64,
+    /// Until this time requests do not wait for a callout but take the failure mode.
+    pub unavailable_until_ms: u64,
+    /// Demand estimate: units spent since `window_start_ms`, and the smoothed rate.
+    pub window_start_ms: u64,
+    pub window_units: u64,
+    pub rate_per_s: f64,
 }
 
-/// What a bucket looks like after a charge (or a denial).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BucketView {
-    pub allowed: bool,
-    pub remaining: f64,
-    /// Allowed: ms until the bucket is full again. Denied: ms until the cost would pass.
-    pub reset_ms: u64,
-}
-
-/// Outcome of an all-or-nothing charge: one view per charge, in order.
+/// The state of one (policy, key) on this Envoy instance.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Charged {
-    pub allowed: bool,
-    pub views: Vec<BucketView>,
-    /// Slots whose (full) bucket was replaced by a new one.
-    pub evictions: u32,
+pub struct Record {
+    pub id: String,
+    /// Local token bucket; `None` means full (never used, or refilled).
+    pub bucket: Option<BucketState>,
+    pub lease: Lease,
+    /// From this time the record equals a fresh one, so its slot may go to another key.
+    pub evictable_at_ms: u64,
 }
 
-#[derive(Debug, Clone, PartialEq)]
-struct Record {
-    id: String,
-    state: BucketState,
-    full_at_ms: u64,
+impl Record {
+    pub fn fresh(id: &str) -> Self {
+        Self {
+            id: id.to_string(),
+            bucket: None,
+            lease: Lease::default(),
+            evictable_at_ms: 0,
+        }
+    }
 }
+
+const LEASE_FIELDS: usize = 11;
+const FIXED_BYTES: usize = 1 + 16 + LEASE_FIELDS * 8 + 8;
 
 fn encode(record: &Record) -> Vec<u8> {
     let id = record.id.as_bytes();
     let len = u16::try_from(id.len()).unwrap_or(u16::MAX);
     let id = id.get(..usize::from(len)).unwrap_or(id);
-    let mut out = Vec::with_capacity(1 + 2 + id.len() + 24);
-    out.push(TAG_BUCKET);
+    let mut out = Vec::with_capacity(1 + 2 + id.len() + FIXED_BYTES);
+    out.push(TAG_RECORD);
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(id);
-    out.extend_from_slice(&record.state.tokens.to_le_bytes());
-    out.extend_from_slice(&record.state.updated_ms.to_le_bytes());
-    out.extend_from_slice(&record.full_at_ms.to_le_bytes());
+    let (present, bucket) = match record.bucket {
+        Some(b) => (1u8, b),
+        None => (
+            0u8,
+            BucketState {
+                tokens: 0.0,
+                updated_ms: 0,
+            },
+        ),
+    };
+    out.push(present);
+    out.extend_from_slice(&bucket.tokens.to_le_bytes());
+    out.extend_from_slice(&bucket.updated_ms.to_le_bytes());
+    let l = &record.lease;
+    for value in [
+        l.tokens,
+        l.expires_ms,
+        l.seq,
+        l.granted,
+        l.pending_until_ms,
+        l.denied_until_ms,
+        l.unavailable_since_ms,
+        l.unavailable_until_ms,
+        l.window_start_ms,
+        l.window_units,
+    ] {
+        out.extend_from_slice(&value.to_le_bytes());
+    }
+    out.extend_from_slice(&l.rate_per_s.to_le_bytes());
+    out.extend_from_slice(&record.evictable_at_ms.to_le_bytes());
     out
 }
 
 /// `None` for an empty slot, or bytes that are not a record of this version (treated as empty).
 fn decode(bytes: &[u8]) -> Option<Record> {
     let (&tag, rest) = bytes.split_first()?;
-    if tag != TAG_BUCKET {
+    if tag != TAG_RECORD {
         return None;
     }
     let len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
     let rest = rest.get(2..)?;
     let id = std::str::from_utf8(rest.get(..len)?).ok()?.to_string();
-    let nums = rest.get(len..)?;
-    if nums.len() != 24 {
+    let fixed = rest.get(len..)?;
+    if fixed.len() != FIXED_BYTES {
         return None;
     }
-    let tokens = f64::from_le_bytes(nums.get(0..8)?.try_into().ok()?);
-    let updated_ms = u64::from_le_bytes(nums.get(8..16)?.try_into().ok()?);
-    let full_at_ms = u64::from_le_bytes(nums.get(16..24)?.try_into().ok()?);
+    let (&present, fixed) = fixed.split_first()?;
+    let word = |i: usize| -> Option<[u8; 8]> { fixed.get(i * 8..i * 8 + 8)?.try_into().ok() };
+    let u = |i: usize| word(i).map(u64::from_le_bytes);
+    let bucket = BucketState {
+        tokens: f64::from_le_bytes(word(0)?),
+        updated_ms: u(1)?,
+    };
+    let lease = Lease {
+        tokens: u(2)?,
+        expires_ms: u(3)?,
+        seq: u(4)?,
+        granted: u(5)?,
+        pending_until_ms: u(6)?,
+        denied_until_ms: u(7)?,
+        unavailable_since_ms: u(8)?,
+        unavailable_until_ms: u(9)?,
+        window_start_ms: u(10)?,
+        window_units: u(11)?,
+        rate_per_s: f64::from_le_bytes(word(12)?),
+    };
     Some(Record {
         id,
-        state: BucketState { tokens, updated_ms },
-        full_at_ms,
+        bucket: (present == 1).then_some(bucket),
+        lease,
+        evictable_at_ms: u(13)?,
     })
 }
 
-/// A slot chosen for one charge within a transaction.
-#[derive(Debug, Clone, Copy)]
+/// What a transaction's decision does with the records it was shown.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Txn<T> {
+    /// Write every record that changed.
+    Commit(T),
+    /// Write nothing.
+    Abort(T),
+}
+
+/// Result of a transaction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transacted<T> {
+    pub value: T,
+    pub committed: bool,
+    /// Slots whose (idle) record was replaced by a new key's.
+    pub evictions: u32,
+}
+
+/// A slot chosen for one key within a transaction.
+#[derive(Debug, Clone)]
 struct Choice {
     slot: u32,
     cas: u32,
-    state: Option<BucketState>,
+    record: Record,
     evicts: bool,
 }
 
@@ -153,14 +237,19 @@ impl SlotTable {
         self.slots
     }
 
+    /// The per-process salt (also a source of uniqueness for ids this instance makes).
+    pub fn salt(&self) -> &[u8] {
+        &self.salt
+    }
+
     fn slot_key(&self, slot: u32) -> String {
         format!("{}slot/{slot}", self.prefix)
     }
 
-    fn home(&self, bucket_id: &str) -> u32 {
+    fn home(&self, id: &str) -> u32 {
         let mut hasher = Sha256::new();
         hasher.update(&self.salt);
-        hasher.update(bucket_id.as_bytes());
+        hasher.update(id.as_bytes());
         let digest = hasher.finalize();
         let mut first = [0u8; 8];
         for (dst, src) in first.iter_mut().zip(digest.iter()) {
@@ -195,11 +284,11 @@ impl SlotTable {
     fn choose(
         &self,
         store: &impl SharedData,
-        charge: &Charge<'_>,
+        id: &str,
         taken: &[Choice],
         now_ms: u64,
     ) -> Result<Choice, TableError> {
-        let home = self.home(charge.bucket_id);
+        let home = self.home(id);
         let mut candidate: Option<Choice> = None;
         for probe in 0..PROBES.min(self.slots) {
             let slot = (home + probe) % self.slots;
@@ -208,21 +297,21 @@ impl SlotTable {
             }
             let (record, cas) = self.read(store, slot)?;
             match record {
-                Some(record) if record.id == charge.bucket_id => {
+                Some(record) if record.id == id => {
                     return Ok(Choice {
                         slot,
                         cas,
-                        state: Some(record.state),
+                        record,
                         evicts: false,
                     });
                 }
-                Some(record) if record.full_at_ms > now_ms => {}
+                Some(record) if record.evictable_at_ms > now_ms => {}
                 other => {
                     if candidate.is_none() {
                         candidate = Some(Choice {
                             slot,
                             cas,
-                            state: None,
+                            record: Record::fresh(id),
                             evicts: other.is_some(),
                         });
                     }
@@ -232,43 +321,41 @@ impl SlotTable {
         candidate.ok_or(TableError::Full)
     }
 
-    /// Charges every bucket its cost, or none of them.
-    pub fn charge(
+    /// Reads the records of `ids` (fresh ones for keys without a slot), lets `decide` change
+    /// them, and writes the changed ones all-or-nothing. `decide` may run more than once (after
+    /// a lost race), always on fresh reads. `refund(i, before, after, current)` undoes item
+    /// `i`'s change on its current value when a later write lost a race.
+    pub fn transact<T>(
         &self,
         store: &impl SharedData,
-        charges: &[Charge<'_>],
+        ids: &[&str],
         now_ms: u64,
-    ) -> Result<Charged, TableError> {
+        mut decide: impl FnMut(&mut [Record]) -> Txn<T>,
+        refund: impl Fn(usize, &Record, &Record, &mut Record),
+    ) -> Result<Transacted<T>, TableError> {
         for _ in 0..MAX_ATTEMPTS {
-            let mut choices: Vec<Choice> = Vec::with_capacity(charges.len());
-            for charge in charges {
-                let choice = self.choose(store, charge, &choices, now_ms)?;
+            let mut choices: Vec<Choice> = Vec::with_capacity(ids.len());
+            for id in ids {
+                let choice = self.choose(store, id, &choices, now_ms)?;
                 choices.push(choice);
             }
-            let decided: Vec<(BucketState, Decision)> = charges
-                .iter()
-                .zip(&choices)
-                .map(|(charge, choice)| try_take(charge.limits, choice.state, now_ms, charge.cost))
-                .collect();
-            let allowed = decided.iter().all(|(_, d)| d.is_allowed());
-            let views = charges
-                .iter()
-                .zip(&decided)
-                .map(|(charge, (state, decision))| view(charge.limits, state, decision, now_ms))
-                .collect();
-            if !allowed {
-                return Ok(Charged {
-                    allowed: false,
-                    views,
-                    evictions: 0,
-                });
-            }
-            match self.write_all(store, charges, &choices, &decided, now_ms) {
-                Ok(()) => {
-                    return Ok(Charged {
-                        allowed: true,
-                        views,
-                        evictions: choices.iter().filter(|c| c.evicts).count() as u32,
+            let mut records: Vec<Record> = choices.iter().map(|c| c.record.clone()).collect();
+            let value = match decide(&mut records) {
+                Txn::Abort(value) => {
+                    return Ok(Transacted {
+                        value,
+                        committed: false,
+                        evictions: 0,
+                    })
+                }
+                Txn::Commit(value) => value,
+            };
+            match self.write_all(store, &choices, &records, &refund) {
+                Ok(evictions) => {
+                    return Ok(Transacted {
+                        value,
+                        committed: true,
+                        evictions,
                     })
                 }
                 Err(WriteError::CasMismatch) => continue,
@@ -281,77 +368,82 @@ impl SlotTable {
     fn write_all(
         &self,
         store: &impl SharedData,
-        charges: &[Charge<'_>],
         choices: &[Choice],
-        decided: &[(BucketState, Decision)],
-        now_ms: u64,
-    ) -> Result<(), WriteError> {
-        for (written, ((charge, choice), (state, _))) in
-            charges.iter().zip(choices).zip(decided).enumerate()
-        {
-            let record = Record {
-                id: charge.bucket_id.to_string(),
-                state: *state,
-                full_at_ms: state.full_at_ms(charge.limits),
-            };
+        records: &[Record],
+        refund: &impl Fn(usize, &Record, &Record, &mut Record),
+    ) -> Result<u32, WriteError> {
+        let mut evictions = 0;
+        let mut written: Vec<usize> = Vec::new();
+        for (index, (choice, record)) in choices.iter().zip(records).enumerate() {
+            if *record == choice.record {
+                continue;
+            }
             if let Err(error) = store.set(
                 &self.slot_key(choice.slot),
-                &encode(&record),
+                &encode(record),
                 Some(choice.cas),
             ) {
-                for (undo, choice) in charges.iter().zip(choices).take(written) {
-                    self.refund(store, undo, choice.slot, now_ms);
+                for &undo in &written {
+                    if let (Some(choice), Some(after)) = (choices.get(undo), records.get(undo)) {
+                        self.refund_one(store, choice, after, |current| {
+                            refund(undo, &choice.record, after, current)
+                        });
+                    }
                 }
                 return Err(error);
             }
+            written.push(index);
+            if choice.evicts {
+                evictions += 1;
+            }
         }
-        Ok(())
+        Ok(evictions)
     }
 
-    /// Gives a charge back (after a partial write lost a race). Best effort within the attempt
-    /// bound: a bucket that moved on keeps its state.
-    fn refund(&self, store: &impl SharedData, charge: &Charge<'_>, slot: u32, now_ms: u64) {
+    /// Applies `undo` to the slot's current record (if it still holds the same key), within the
+    /// attempt bound: a record that moved on keeps its state.
+    fn refund_one(
+        &self,
+        store: &impl SharedData,
+        choice: &Choice,
+        after: &Record,
+        undo: impl Fn(&mut Record),
+    ) {
         for _ in 0..MAX_ATTEMPTS {
-            let Ok((Some(record), cas)) = self.read(store, slot) else {
+            let Ok((Some(mut current), cas)) = self.read(store, choice.slot) else {
                 return;
             };
-            if record.id != charge.bucket_id {
+            if current.id != after.id {
                 return;
             }
-            let state = tollgate_core::bucket::give_back(
-                charge.limits,
-                Some(record.state),
-                now_ms,
-                charge.cost,
-            );
-            let record = Record {
-                full_at_ms: state.full_at_ms(charge.limits),
-                state,
-                ..record
-            };
-            match store.set(&self.slot_key(slot), &encode(&record), Some(cas)) {
+            undo(&mut current);
+            match store.set(&self.slot_key(choice.slot), &encode(&current), Some(cas)) {
                 Err(WriteError::CasMismatch) => continue,
                 _ => return,
             }
         }
     }
-}
 
-fn view(limits: &Limits, state: &BucketState, decision: &Decision, now_ms: u64) -> BucketView {
-    match decision {
-        Decision::Allowed { remaining } => BucketView {
-            allowed: true,
-            remaining: *remaining,
-            reset_ms: state.full_at_ms(limits).saturating_sub(now_ms),
-        },
-        Decision::Denied {
-            retry_after_ms,
-            remaining,
-        } => BucketView {
-            allowed: false,
-            remaining: *remaining,
-            reset_ms: *retry_after_ms,
-        },
+    /// Changes one key's record (creating it fresh if it has none), e.g. to credit a lease
+    /// from a callout response.
+    pub fn update<T>(
+        &self,
+        store: &impl SharedData,
+        id: &str,
+        now_ms: u64,
+        mut update: impl FnMut(&mut Record) -> T,
+    ) -> Result<T, TableError> {
+        let result = self.transact(
+            store,
+            &[id],
+            now_ms,
+            |records| match records.first_mut() {
+                Some(record) => Txn::Commit(Some(update(record))),
+                None => Txn::Abort(None),
+            },
+            |_, _, _, _| {},
+        )?;
+        result.value.ok_or(TableError::Host)
     }
 }
 

@@ -29,6 +29,16 @@ impl Limits {
         })
     }
 
+    /// The same bucket at `share` of its rate and capacity (capacity at least 1): an
+    /// instance's own budget while the global owner cannot be reached.
+    pub fn scaled(&self, share: f64) -> Self {
+        let share = if share.is_finite() { share.clamp(0.0, 1.0) } else { 0.0 };
+        Self {
+            capacity: (self.capacity * share).max(1.0),
+            refill_per_ms: self.refill_per_ms * share,
+        }
+    }
+
     pub fn capacity(&self) -> f64 {
         self.capacity
     }
@@ -296,6 +306,14 @@ mod tests {
         let (s, _) = try_take(&l, None, 0, 3);
         assert_eq!(give_back(&l, Some(s), 0, 10).tokens, 20.0);
         assert_eq!(give_back(&l, Some(s), 0, 2).tokens, 19.0);
+    }
+
+    #[test]
+    fn scaled_limits_keep_at_least_one_token() {
+        let l = limits().scaled(0.34);
+        assert!((l.capacity() - 6.8).abs() < 1e-9);
+        assert!((l.refill_per_ms() - 0.034).abs() < 1e-12);
+        assert_eq!(limits().scaled(0.0001).capacity(), 1.0);
     }
 
     #[test]

@@ -208,6 +208,35 @@ pub struct LimiterSpec {
     /// `:authority` of callouts.
     #[serde(default = "default_limiter_authority")]
     pub authority: String,
+    /// A lease asks for about this much of the recent local demand of its key.
+    #[serde(default = "default_lease_horizon")]
+    pub lease_horizon: Millis,
+    /// Most tokens one lease asks for; `1` turns batching off (one callout per request).
+    #[serde(default = "default_lease_max")]
+    pub lease_max: u64,
+    /// Refill in the background once a lease is below this fraction of its grant.
+    #[serde(default = "default_low_water")]
+    pub low_water: f64,
+    /// After a failed callout, requests of that key go straight to the failure mode (no
+    /// waiting) for this long, while one probe per instance checks for recovery.
+    #[serde(default = "default_unavailable_backoff")]
+    pub unavailable_backoff: Millis,
+}
+
+fn default_lease_horizon() -> Millis {
+    Millis(250)
+}
+
+fn default_lease_max() -> u64 {
+    100
+}
+
+fn default_low_water() -> f64 {
+    0.25
+}
+
+fn default_unavailable_backoff() -> Millis {
+    Millis(500)
 }
 
 fn default_limiter_timeout() -> Millis {
@@ -561,6 +590,18 @@ fn compile(document: PolicyDocument, version: String) -> Result<Policies, Policy
             }
             if limiter.authority.trim().is_empty() {
                 errors.push(None, "limiter.authority".into(), "must not be empty");
+            }
+            if limiter.lease_horizon.0 == 0 {
+                errors.push(None, "limiter.lease_horizon".into(), "must be longer than 0ms");
+            }
+            if limiter.lease_max == 0 || limiter.lease_max > MAX_BURST {
+                errors.push(None, "limiter.lease_max".into(), format!("must be between 1 and {MAX_BURST}"));
+            }
+            if !(0.0..1.0).contains(&limiter.low_water) {
+                errors.push(None, "limiter.low_water".into(), "must be in [0, 1)");
+            }
+            if limiter.unavailable_backoff.0 == 0 || limiter.unavailable_backoff.0 > 60_000 {
+                errors.push(None, "limiter.unavailable_backoff".into(), "must be between 1ms and 60s");
             }
         }
         None if has_global => errors.push(

@@ -31,6 +31,36 @@ fn facts(method: &str, path: &str) -> RequestFacts {
     }
 }
 
+/// Decides a fresh request (first attempt).
+fn eval(
+    e: &Engine,
+    facts: &RequestFacts,
+    req: &Req,
+    store: &MemorySharedData,
+    now: u64,
+) -> Evaluated {
+    let d = e.decide(&e.plan(facts, req), store, now, Attempt::default());
+    Evaluated {
+        reply: match &d.verdict {
+            Verdict::Reply(r) => Some(r.clone()),
+            _ => None,
+        },
+        response_headers: d.response_headers.clone(),
+        outcomes: d.outcomes.clone(),
+        table_error: d.table_error,
+        decision: d,
+    }
+}
+
+struct Evaluated {
+    reply: Option<LocalReply>,
+    response_headers: Vec<(String, String)>,
+    outcomes: Vec<(usize, Outcome)>,
+    table_error: Option<TableError>,
+    #[allow(dead_code)]
+    decision: Decision,
+}
+
 fn engine(doc: &str, store: &MemorySharedData, slots: u32) -> Engine {
     let policies = Policies::from_json(doc.as_bytes()).unwrap();
     check_supported(&policies).unwrap();
@@ -55,14 +85,14 @@ fn payments_transfers_cost_five_and_the_429_is_complete() {
     let e = engine(PAYMENTS, &store, 64);
     let transfer = facts("POST", "/payments/transfers");
     for _ in 0..4 {
-        let ev = e.evaluate(&transfer, &tenant("acme"), &store, 1_000);
+        let ev = eval(&e, &transfer, &tenant("acme"), &store, 1_000);
         assert_eq!(ev.reply, None);
         assert_eq!(ev.outcomes, vec![(0, Outcome::Allowed)]);
         assert!(
             header_of(&ev.response_headers, "ratelimit").starts_with("\"payments-per-tenant\";r=")
         );
     }
-    let ev = e.evaluate(&transfer, &tenant("acme"), &store, 1_000);
+    let ev = eval(&e, &transfer, &tenant("acme"), &store, 1_000);
     let reply = ev.reply.unwrap();
     assert_eq!(reply.status, 429);
     assert_eq!(header(&reply, "retry-after"), "1");
@@ -82,12 +112,10 @@ fn payments_transfers_cost_five_and_the_429_is_complete() {
     assert_eq!(ev.outcomes, vec![(0, Outcome::Denied)]);
     // A status lookup (1 unit) is also refused until tokens refill (10 ms per unit).
     let lookup = facts("GET", "/payments/transfers/tx-9");
-    assert!(e
-        .evaluate(&lookup, &tenant("acme"), &store, 1_000)
+    assert!(eval(&e, &lookup, &tenant("acme"), &store, 1_000)
         .reply
         .is_some());
-    assert!(e
-        .evaluate(&lookup, &tenant("acme"), &store, 1_010)
+    assert!(eval(&e, &lookup, &tenant("acme"), &store, 1_010)
         .reply
         .is_none());
 }
@@ -106,30 +134,20 @@ fn tenants_never_share_state_and_unmatched_requests_create_nothing() {
     let e = engine(PAYMENTS, &store, 64);
     let transfer = facts("POST", "/payments/transfers");
     for _ in 0..4 {
-        assert!(e
-            .evaluate(&transfer, &tenant("a"), &store, 0)
-            .reply
-            .is_none());
+        assert!(eval(&e, &transfer, &tenant("a"), &store, 0).reply.is_none());
     }
-    assert!(e
-        .evaluate(&transfer, &tenant("a"), &store, 0)
-        .reply
-        .is_some());
-    assert!(e
-        .evaluate(&transfer, &tenant("b"), &store, 0)
-        .reply
-        .is_none());
+    assert!(eval(&e, &transfer, &tenant("a"), &store, 0).reply.is_some());
+    assert!(eval(&e, &transfer, &tenant("b"), &store, 0).reply.is_none());
     let before = store.bytes();
     for path in ["/payments/other", "/payments/transfers/1/x", "/"] {
-        let ev = e.evaluate(&facts("POST", path), &tenant("c"), &store, 0);
+        let ev = eval(&e, &facts("POST", path), &tenant("c"), &store, 0);
         assert!(ev.outcomes.is_empty() && ev.reply.is_none());
     }
     let other_host = RequestFacts {
         host: "evil.example.com".into(),
         ..transfer
     };
-    assert!(e
-        .evaluate(&other_host, &tenant("c"), &store, 0)
+    assert!(eval(&e, &other_host, &tenant("c"), &store, 0)
         .outcomes
         .is_empty());
     assert_eq!(store.bytes(), before);
@@ -139,7 +157,8 @@ fn tenants_never_share_state_and_unmatched_requests_create_nothing() {
 fn missing_identity_denies_with_403_skips_or_goes_anonymous() {
     let store = MemorySharedData::default();
     let e = engine(PAYMENTS, &store, 64);
-    let ev = e.evaluate(
+    let ev = eval(
+        &e,
         &facts("POST", "/payments/transfers"),
         &Req::default(),
         &store,
@@ -150,7 +169,8 @@ fn missing_identity_denies_with_403_skips_or_goes_anonymous() {
 
     let skip = PAYMENTS.replace("\"deny\"", "\"skip\"");
     let e = engine(&skip, &store, 64);
-    let ev = e.evaluate(
+    let ev = eval(
+        &e,
         &facts("POST", "/payments/transfers"),
         &Req::default(),
         &store,
@@ -162,36 +182,36 @@ fn missing_identity_denies_with_403_skips_or_goes_anonymous() {
     let store = MemorySharedData::default();
     let e = engine(&anonymous, &store, 64);
     for _ in 0..4 {
-        assert!(e
-            .evaluate(
-                &facts("POST", "/payments/transfers"),
-                &Req::default(),
-                &store,
-                0
-            )
-            .reply
-            .is_none());
-    }
-    // All anonymous requests share one bucket...
-    assert!(e
-        .evaluate(
+        assert!(eval(
+            &e,
             &facts("POST", "/payments/transfers"),
             &Req::default(),
             &store,
             0
         )
         .reply
-        .is_some());
-    // ...which no tenant can name.
-    assert!(e
-        .evaluate(
-            &facts("POST", "/payments/transfers"),
-            &tenant("!anonymous"),
-            &store,
-            0
-        )
-        .reply
         .is_none());
+    }
+    // All anonymous requests share one bucket...
+    assert!(eval(
+        &e,
+        &facts("POST", "/payments/transfers"),
+        &Req::default(),
+        &store,
+        0
+    )
+    .reply
+    .is_some());
+    // ...which no tenant can name.
+    assert!(eval(
+        &e,
+        &facts("POST", "/payments/transfers"),
+        &tenant("!anonymous"),
+        &store,
+        0
+    )
+    .reply
+    .is_none());
 }
 
 #[test]
@@ -201,7 +221,8 @@ fn shadow_mode_admits_and_counts() {
     let e = engine(&shadow, &store, 64);
     let mut shadow_denied = 0;
     for _ in 0..10 {
-        let ev = e.evaluate(
+        let ev = eval(
+            &e,
             &facts("POST", "/payments/transfers"),
             &tenant("a"),
             &store,
@@ -226,22 +247,20 @@ fn two_policies_are_all_or_nothing() {
     let store = MemorySharedData::default();
     let e = engine(TWO_POLICIES, &store, 64);
     let export = facts("POST", "/exports");
-    assert!(e.evaluate(&export, &tenant("a"), &store, 0).reply.is_none());
-    assert!(e.evaluate(&export, &tenant("a"), &store, 0).reply.is_none());
-    let ev = e.evaluate(&export, &tenant("a"), &store, 0);
+    assert!(eval(&e, &export, &tenant("a"), &store, 0).reply.is_none());
+    assert!(eval(&e, &export, &tenant("a"), &store, 0).reply.is_none());
+    let ev = eval(&e, &export, &tenant("a"), &store, 0);
     let reply = ev.reply.unwrap();
     assert_eq!(reply.status, 429);
     assert!(reply.body.contains("\"policy\":\"exports\""));
     assert_eq!(ev.outcomes, vec![(1, Outcome::Denied)]);
     // Denied exports took nothing tenant-wide: 8 more other requests pass.
     for _ in 0..8 {
-        assert!(e
-            .evaluate(&facts("GET", "/x"), &tenant("a"), &store, 0)
+        assert!(eval(&e, &facts("GET", "/x"), &tenant("a"), &store, 0)
             .reply
             .is_none());
     }
-    assert!(e
-        .evaluate(&facts("GET", "/x"), &tenant("a"), &store, 0)
+    assert!(eval(&e, &facts("GET", "/x"), &tenant("a"), &store, 0)
         .reply
         .is_some());
 }
@@ -257,7 +276,7 @@ fn a_full_table_applies_the_failure_mode() {
         let transfer = facts("POST", "/payments/transfers");
         let mut undecided = 0;
         for t in 0..200 {
-            let ev = e.evaluate(&transfer, &tenant(&t.to_string()), &store, 0);
+            let ev = eval(&e, &transfer, &tenant(&t.to_string()), &store, 0);
             if ev.table_error.is_some() {
                 undecided += 1;
                 assert_eq!(ev.table_error, Some(TableError::Full));
@@ -272,17 +291,4 @@ fn a_full_table_applies_the_failure_mode() {
         }
         assert_eq!(undecided, 200 - 16);
     }
-}
-
-#[test]
-fn global_policies_are_refused_by_this_build() {
-    let doc = PAYMENTS
-        .replace("\"scope\": \"local\"", "\"scope\": \"global\"")
-        .replace(
-            "\"response\"",
-            "\"limiter\": {\"cluster\": \"tollgate_limiter\"}, \"response\"",
-        );
-    let policies = Policies::from_json(doc.as_bytes()).unwrap();
-    let error = check_supported(&policies).unwrap_err();
-    assert!(error.contains("policies[0].scope"), "{error}");
 }

@@ -1,0 +1,409 @@
+//! The global stage end to end inside one worker, against a fake host and a fake limiter
+//! (core bucket math in a map): callouts shared per key, leases credited and spent, denials
+//! remembered, failure modes, deadlines, background refills and returns.
+
+use super::*;
+use crate::engine::SHARED_PREFIX;
+use crate::metrics::sink;
+use crate::request::{RequestFacts, RequestSource};
+use crate::shared::MemorySharedData;
+use crate::table::SlotTable;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use tollgate_core::bucket::{lease, BucketState};
+use tollgate_core::policy::Policies;
+use tollgate_core::protocol::{LeaseBatch, LeaseBatchResponse, LeaseGranted, LeaseResult};
+
+/// A dispatched callout: token, path, body, timeout.
+type Sent = (u32, String, Vec<u8>, u64);
+
+#[derive(Default)]
+struct FakeHost {
+    next_token: Cell<u32>,
+    sent: RefCell<Vec<Sent>>,
+    resumed: RefCell<Vec<u32>>,
+    replied: RefCell<Vec<(u32, u32)>>,
+    tick: Cell<u64>,
+    refuse_dispatch: Cell<bool>,
+}
+
+impl Host for FakeHost {
+    fn dispatch(&self, path: &str, body: &[u8], timeout_ms: u64) -> Result<u32, String> {
+        if self.refuse_dispatch.get() {
+            return Err("no such cluster".into());
+        }
+        let token = self.next_token.get() + 1;
+        self.next_token.set(token);
+        self.sent
+            .borrow_mut()
+            .push((token, path.to_string(), body.to_vec(), timeout_ms));
+        Ok(token)
+    }
+    fn resume(&self, context_id: u32) -> bool {
+        self.resumed.borrow_mut().push(context_id);
+        true
+    }
+    fn reply(&self, context_id: u32, reply: &LocalReply) -> bool {
+        self.replied.borrow_mut().push((context_id, reply.status));
+        true
+    }
+    fn set_tick(&self, period_ms: u64) {
+        self.tick.set(period_ms);
+    }
+}
+
+/// The limiter's bucket math over an in-test map.
+struct FakeLimiter {
+    buckets: RefCell<HashMap<String, BucketState>>,
+    capacity: u64,
+}
+
+impl FakeLimiter {
+    fn answer(&self, body: &[u8], now: u64) -> Vec<u8> {
+        let batch: LeaseBatch = serde_json::from_slice(body).unwrap();
+        let limits = tollgate_core::bucket::Limits::new(1, 3_600_000, self.capacity).unwrap();
+        let leases = batch
+            .leases
+            .iter()
+            .map(|r| {
+                let k = format!("{}:{}", r.policy, r.key);
+                let state = self.buckets.borrow().get(&k).copied();
+                let (next, grant) = lease(&limits, state, now, r.min, r.want);
+                self.buckets.borrow_mut().insert(k, next);
+                LeaseResult::Granted(LeaseGranted {
+                    id: r.id.clone(),
+                    granted: grant.granted,
+                    remaining: grant.remaining,
+                    retry_after_ms: grant.retry_after_ms,
+                    expires_ms: 2_000,
+                })
+            })
+            .collect();
+        serde_json::to_vec(&LeaseBatchResponse {
+            leases,
+            policy_version: "v".into(),
+        })
+        .unwrap()
+    }
+}
+
+struct Req(&'static str);
+
+impl RequestSource for Req {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        (name == "x-tenant-id").then(|| self.0.as_bytes().to_vec())
+    }
+    fn property(&self, _: &[&str]) -> Option<Vec<u8>> {
+        None
+    }
+}
+
+fn policy(failure: &str, lease_max: u64) -> String {
+    format!(
+        r#"{{"policies":[{{"name":"g","key":[{{"header":"x-tenant-id"}}],"rate":{{"units":1,"per":"1h"}},"burst":100,
+        "scope":"global","on_unavailable":{failure}}}],
+        "limiter":{{"cluster":"limiter","timeout":"25ms","lease_max":{lease_max}}}}}"#
+    )
+}
+
+struct Rig {
+    engine: Engine,
+    store: MemorySharedData,
+    metrics: Metrics,
+    host: FakeHost,
+    worker: Worker,
+    limiter: FakeLimiter,
+}
+
+impl Rig {
+    fn new(doc: &str) -> Self {
+        let store = MemorySharedData::default();
+        let policies = Policies::from_json(doc.as_bytes()).unwrap();
+        let table = SlotTable::open(&store, SHARED_PREFIX, 64, 3).unwrap();
+        let metrics = Metrics::define(&policies);
+        Rig {
+            engine: Engine::new(policies, table),
+            store,
+            metrics,
+            host: FakeHost::default(),
+            worker: Worker::new(0xabc, 1),
+            limiter: FakeLimiter {
+                buckets: RefCell::new(HashMap::new()),
+                capacity: 100,
+            },
+        }
+    }
+
+    /// What the HTTP context does for a new request; returns the verdict.
+    fn request(&mut self, context: u32, tenant: &'static str, now: u64) -> Verdict {
+        let facts = RequestFacts {
+            method: "GET".into(),
+            path: "/x".into(),
+            host: "h".into(),
+        };
+        let plan = self.engine.plan(&facts, &Req(tenant));
+        let decision = self
+            .engine
+            .decide(&plan, &self.store, now, Attempt::default());
+        if decision.verdict == Verdict::Wait {
+            assert!(self.worker.wait(
+                context,
+                plan,
+                &decision,
+                now + 35,
+                Rc::new(RefCell::new(Vec::new()))
+            ));
+        } else {
+            self.metrics.record(&decision);
+        }
+        if self.worker.queue(&decision) {
+            self.worker
+                .flush(&self.engine, &self.store, &self.metrics, &self.host, now);
+        }
+        decision.verdict
+    }
+
+    /// The limiter answers every callout in flight.
+    fn answer_all(&mut self, now: u64) {
+        let sent = std::mem::take(&mut *self.host.sent.borrow_mut());
+        for (token, path, body, _) in sent {
+            let reply = if path == LEASES_PATH {
+                self.limiter.answer(&body, now)
+            } else {
+                let batch: tollgate_core::protocol::ReturnBatch =
+                    serde_json::from_slice(&body).unwrap();
+                let returns: Vec<_> = batch
+                    .returns
+                    .iter()
+                    .map(|r| format!(r#"{{"id":"{}","returned":{}}}"#, r.id, r.unused))
+                    .collect();
+                format!(r#"{{"returns":[{}]}}"#, returns.join(",")).into_bytes()
+            };
+            self.worker.complete(
+                token,
+                Some(200),
+                &reply,
+                &self.engine,
+                &self.store,
+                &self.metrics,
+                &self.host,
+                now,
+            );
+        }
+    }
+
+    fn fail_all(&mut self, status: Option<u32>, body: &[u8], now: u64) {
+        let sent = std::mem::take(&mut *self.host.sent.borrow_mut());
+        for (token, ..) in sent {
+            self.worker.complete(
+                token,
+                status,
+                body,
+                &self.engine,
+                &self.store,
+                &self.metrics,
+                &self.host,
+                now,
+            );
+        }
+    }
+}
+
+#[test]
+fn waiters_of_one_key_share_one_callout_and_spend_the_lease() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    assert_eq!(rig.request(10, "acme", 1_000), Verdict::Wait);
+    assert_eq!(rig.request(11, "acme", 1_000), Verdict::Wait);
+    assert_eq!(
+        rig.host.sent.borrow().len(),
+        1,
+        "one callout per key per worker"
+    );
+    assert_eq!(rig.host.tick.get(), TICK_MS);
+    let body: LeaseBatch = serde_json::from_slice(&rig.host.sent.borrow()[0].2).unwrap();
+    assert_eq!(body.leases[0].policy, "g");
+    assert_eq!(body.leases[0].key, "acme");
+    assert_eq!((body.leases[0].min, body.leases[0].want), (1, 4));
+    rig.answer_all(1_001);
+    assert_eq!(*rig.host.resumed.borrow(), {
+        let mut v = rig.host.resumed.borrow().clone();
+        v.sort();
+        assert_eq!(v, vec![10, 11]);
+        rig.host.resumed.borrow().clone()
+    });
+    assert_eq!(rig.worker.waiting(), 0);
+    assert_eq!(rig.host.tick.get(), 0, "tick off when nobody waits");
+    // The lease (4 tokens, 2 spent) covers the next requests without a callout... until the
+    // low-water mark asks for a refill in the background.
+    assert_eq!(rig.request(12, "acme", 1_002), Verdict::Continue);
+    assert_eq!(sink::value("tollgate_tokens_granted.policy.g"), 4);
+    assert_eq!(sink::value("tollgate_allowed.policy.g"), 3);
+}
+
+#[test]
+fn background_refill_keeps_requests_from_waiting() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    rig.answer_all(0);
+    let mut waited = 0;
+    let mut callouts = 1;
+    for i in 0..60u32 {
+        let now = 10 + u64::from(i) * 10;
+        if rig.request(100 + i, "t", now) == Verdict::Wait {
+            waited += 1;
+        }
+        callouts += rig.host.sent.borrow().len();
+        rig.answer_all(now + 1);
+    }
+    assert!(waited <= 1, "{waited} requests waited for a lease");
+    assert!(callouts < 20, "{callouts} callouts for 61 requests");
+}
+
+#[test]
+fn over_limit_is_remembered_exactly_as_long_as_the_limiter_said() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    rig.limiter.capacity = 1;
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    rig.answer_all(0);
+    assert_eq!(rig.host.resumed.borrow().as_slice(), &[1]);
+    // Bucket empty: the limiter grants 0 with retry 3600 s; the waiter gets 429.
+    assert_eq!(rig.request(2, "t", 10), Verdict::Wait);
+    rig.answer_all(10);
+    assert_eq!(rig.host.replied.borrow().as_slice(), &[(2, 429)]);
+    // Within the retry time: 429 at once, no callout.
+    match rig.request(3, "t", 20) {
+        Verdict::Reply(reply) => {
+            assert_eq!(reply.status, 429);
+            assert!(reply
+                .headers
+                .contains(&("retry-after".into(), "3600".into())));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(rig.host.sent.borrow().is_empty());
+    // After it: ask again.
+    assert_eq!(rig.request(4, "t", 10 + 3_600_000), Verdict::Wait);
+}
+
+#[test]
+fn failure_modes_when_the_limiter_is_unavailable() {
+    for (failure, expect_status) in [
+        (r#"{"mode":"open"}"#, None),
+        (r#"{"mode":"closed"}"#, Some(503)),
+    ] {
+        for (status, body) in [
+            (Some(503), &b"{\"error\":\"UNAVAILABLE\"}"[..]),
+            (Some(504), &b""[..]),
+            (None, &b""[..]),
+            (Some(200), &b"garbage"[..]),
+        ] {
+            let mut rig = Rig::new(&policy(failure, 100));
+            assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+            rig.fail_all(status, body, 5);
+            match expect_status {
+                None => assert_eq!(
+                    rig.host.resumed.borrow().as_slice(),
+                    &[1],
+                    "{failure} {status:?}"
+                ),
+                Some(code) => assert_eq!(
+                    rig.host.replied.borrow().as_slice(),
+                    &[(1, code)],
+                    "{failure} {status:?}"
+                ),
+            }
+            // During the backoff, requests are decided at once; one probe goes out.
+            let verdict = rig.request(2, "t", 10);
+            assert_ne!(verdict, Verdict::Wait);
+            assert_eq!(rig.host.sent.borrow().len(), 1, "probe");
+            assert_ne!(rig.request(3, "t", 11), Verdict::Wait);
+            assert_eq!(rig.host.sent.borrow().len(), 1, "only one probe in flight");
+            // The limiter is back: the probe's answer ends the outage.
+            rig.answer_all(20);
+            assert_eq!(rig.request(4, "t", 30), Verdict::Continue);
+        }
+    }
+}
+
+#[test]
+fn local_mode_falls_back_to_a_share_of_the_rate_then_closes() {
+    let failure = r#"{"mode":"local","share":0.1,"stale_ttl":"1s","then":"closed"}"#;
+    let mut rig = Rig::new(&policy(failure, 100));
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    rig.fail_all(Some(503), b"", 1);
+    // burst 100 × 0.1 = 10 fallback tokens, the waiter took one.
+    assert_eq!(rig.host.resumed.borrow().as_slice(), &[1]);
+    let mut allowed = 1;
+    for i in 0..20 {
+        if rig.request(10 + i, "t", 2) == Verdict::Continue {
+            allowed += 1;
+        }
+    }
+    assert_eq!(allowed, 10);
+    assert_eq!(sink::value("tollgate_fallback_allowed.policy.g"), 10);
+    // The probe fails too; after the backoff a request asks again and waits, and when that
+    // fails past stale_ttl (1 s since the outage began), `then: closed` answers 503.
+    rig.fail_all(Some(503), b"", 3);
+    assert_eq!(rig.request(50, "t", 1_200), Verdict::Wait);
+    rig.fail_all(Some(503), b"", 1_201);
+    assert_eq!(rig.host.replied.borrow().last(), Some(&(50, 503)));
+}
+
+#[test]
+fn the_filters_own_deadline_answers_waiters() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    let timeout = rig.host.sent.borrow()[0].3;
+    assert!(timeout <= 25, "callout timeout {timeout}");
+    rig.worker
+        .tick(&rig.engine, &rig.store, &rig.metrics, &rig.host, 20);
+    assert!(rig.host.replied.borrow().is_empty());
+    rig.worker
+        .tick(&rig.engine, &rig.store, &rig.metrics, &rig.host, 35);
+    assert_eq!(rig.host.replied.borrow().as_slice(), &[(1, 503)]);
+    assert_eq!(rig.worker.waiting(), 0);
+    // A late answer still credits the lease for later requests.
+    rig.answer_all(40);
+    assert_eq!(rig.request(2, "t", 41), Verdict::Continue);
+}
+
+#[test]
+fn batching_off_asks_for_exactly_the_cost() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 1));
+    for i in 0..5 {
+        assert_eq!(rig.request(i, "t", u64::from(i) * 10), Verdict::Wait);
+        let body: LeaseBatch = serde_json::from_slice(&rig.host.sent.borrow()[0].2).unwrap();
+        assert_eq!((body.leases[0].min, body.leases[0].want), (1, 1));
+        rig.answer_all(u64::from(i) * 10 + 1);
+    }
+    assert_eq!(rig.host.resumed.borrow().len(), 5);
+}
+
+#[test]
+fn expired_leases_are_returned() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    rig.answer_all(0);
+    // 4 granted, 1 spent; the lease expires after 2 s.
+    assert_eq!(rig.request(2, "t", 2_500), Verdict::Wait);
+    let sent = rig.host.sent.borrow().clone();
+    let returns: Vec<_> = sent
+        .iter()
+        .filter(|(_, p, _, _)| p == RETURNS_PATH)
+        .collect();
+    assert_eq!(returns.len(), 1);
+    let body: tollgate_core::protocol::ReturnBatch = serde_json::from_slice(&returns[0].2).unwrap();
+    assert_eq!(body.returns[0].unused, 3);
+    assert_eq!(body.returns[0].key, "t");
+    rig.answer_all(2_501);
+    assert_eq!(sink::value("tollgate_tokens_returned.policy.g"), 3);
+}
+
+#[test]
+fn an_unknown_cluster_is_unavailable_not_a_hang() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    rig.host.refuse_dispatch.set(true);
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    assert_eq!(rig.host.replied.borrow().as_slice(), &[(1, 503)]);
+    assert_eq!(rig.worker.waiting(), 0);
+}
