@@ -31,6 +31,7 @@ pub mod paths;
 pub mod ports;
 pub mod process;
 pub mod redis;
+pub mod tollgate;
 pub mod upstream;
 
 pub use client::{

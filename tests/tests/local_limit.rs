@@ -13,46 +13,14 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use serde_json::Value;
+use tollgate_e2e::tollgate::{self, envoy_config, policy_block};
 use tollgate_e2e::{burst, paths, send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
 const WORKERS: u32 = 4;
 
-/// `envoy/local.yaml` with ports made free (0), the upstream pointed at `upstream_port`, the
-/// wasm path made absolute, and `policy` as the plugin configuration.
+/// `envoy/local.yaml`, test-ready, with `policy` as the plugin configuration.
 fn local_config(policy: &str, upstream_port: u16) -> String {
-    let shipped =
-        std::fs::read_to_string(paths::workspace_root().join("envoy/local.yaml")).unwrap();
-    let (listeners, clusters) = shipped.split_once("  clusters:").unwrap();
-    let listeners = listeners
-        .replace("port_value: 10000", "port_value: 0")
-        .replace("port_value: 10001", "port_value: 0")
-        .replace("port_value: 9901", "port_value: 0")
-        .replace(
-            "filename: target/wasm32-wasip1/release/tollgate.wasm",
-            &format!("filename: {}", paths::wasm_path().display()),
-        );
-    let clusters = clusters.replace("port_value: 10001", &format!("port_value: {upstream_port}"));
-    let (head, block, tail) = policy_block(&listeners);
-    assert!(!block.is_empty());
-    let indented: String = policy
-        .lines()
-        .map(|l| format!("                    {l}\n"))
-        .collect();
-    format!("{head}{indented}{tail}  clusters:{clusters}")
-}
-
-/// Splits a config around the policy JSON block (the lines after `value: |`).
-fn policy_block(config: &str) -> (String, String, String) {
-    let start = config.find("value: |\n").unwrap() + "value: |\n".len();
-    let rest = &config[start..];
-    let end = rest
-        .find("          - name: envoy.filters.http.router")
-        .unwrap();
-    (
-        config[..start].to_string(),
-        rest[..end].to_string(),
-        rest[end..].to_string(),
-    )
+    envoy_config("envoy/local.yaml", policy, upstream_port, None)
 }
 
 fn start(policy: &str, upstream: &Upstream) -> (Envoy, u16) {
@@ -100,17 +68,11 @@ fn transfer(tenant: &str) -> RequestSpec {
 
 fn prometheus_value(envoy: &Envoy, metric: &str) -> u64 {
     let text = envoy.stats_prometheus();
-    // Unlabelled series print as `name{} value`.
-    let bare = format!("{metric}{{}}");
-    text.lines()
-        .find(|l| {
-            [metric, bare.as_str()]
-                .iter()
-                .any(|m| l.starts_with(m) && l[m.len()..].starts_with(' '))
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {metric} in /stats/prometheus:\n{text}"))
+    assert!(
+        text.lines().any(|l| l.starts_with(metric.split('{').next().unwrap_or(metric))),
+        "no {metric} in /stats/prometheus:\n{text}"
+    );
+    tollgate::prometheus_value(&text, metric) as u64
 }
 
 #[test]
@@ -118,6 +80,7 @@ fn shipped_config_embeds_the_payments_policy() {
     let shipped =
         std::fs::read_to_string(paths::workspace_root().join("envoy/local.yaml")).unwrap();
     let (_, block, _) = policy_block(&shipped);
+    assert!(block.contains("payments-per-tenant"));
     let embedded: Value = serde_json::from_str(&block).unwrap();
     let file: Value = serde_json::from_str(
         &std::fs::read_to_string(paths::workspace_root().join("policies/payments.json")).unwrap(),

@@ -1,0 +1,197 @@
+//! Tollgate's own pieces for end-to-end tests: the limiter binary as a real process, and the
+//! shipped Envoy configs (`envoy/*.yaml`) made test-ready (free ports, absolute wasm path, the
+//! test's policy document).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::error::{HarnessError, Result};
+use crate::http_blocking;
+use crate::paths;
+use crate::ports::free_port;
+use crate::process::{self, ChildProcess};
+
+/// The `tollgate-limiter` binary: `TOLLGATE_LIMITER_BIN`, else `target/{release,debug}`
+/// (whichever is newer; `just test` builds it).
+pub fn limiter_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("TOLLGATE_LIMITER_BIN") {
+        return PathBuf::from(bin);
+    }
+    let candidates = ["debug", "release"].map(|p| paths::target_dir().join(p).join("tollgate-limiter"));
+    candidates
+        .iter()
+        .filter(|p| p.exists())
+        .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
+        .cloned()
+        .unwrap_or_else(|| panic!("no tollgate-limiter binary in target/: build it with `cargo build -p tollgate-limiter`"))
+}
+
+/// Where the limiter keeps its state.
+#[derive(Debug, Clone)]
+pub enum Store {
+    Memory,
+    Redis(String),
+    Cluster(Vec<String>),
+}
+
+/// A running `tollgate-limiter` process on a free loopback port; killed on `Drop`.
+#[derive(Debug)]
+pub struct Limiter {
+    process: ChildProcess,
+    port: u16,
+    policies: PathBuf,
+}
+
+impl Limiter {
+    /// Starts the limiter with `policy` (written to a file in the log dir) and waits for
+    /// `/healthz`. `extra` are more flags (e.g. `--store-timeout 50ms`).
+    pub fn start(policy: &str, store: Store, extra: &[&str]) -> Limiter {
+        Self::try_start(policy, store, extra).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn try_start(policy: &str, store: Store, extra: &[&str]) -> Result<Limiter> {
+        let dir = paths::new_log_dir("", "limiter");
+        let policies = dir.join("policies.json");
+        std::fs::write(&policies, policy)?;
+        let mut last = HarnessError::new("no attempt");
+        for _ in 0..8 {
+            let port = free_port();
+            match Self::spawn(&dir, &policies, port, &store, extra) {
+                Ok(limiter) => return Ok(limiter),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    fn spawn(dir: &Path, policies: &Path, port: u16, store: &Store, extra: &[&str]) -> Result<Limiter> {
+        let mut cmd = Command::new(limiter_bin());
+        cmd.arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--policies")
+            .arg(policies)
+            .args(extra)
+            .env("TOLLGATE_LOG", "info");
+        match store {
+            Store::Memory => {}
+            Store::Redis(url) => {
+                cmd.arg("--redis").arg(url);
+            }
+            Store::Cluster(urls) => {
+                cmd.arg("--redis-cluster").arg(urls.join(","));
+            }
+        }
+        let mut process = ChildProcess::spawn("limiter", cmd, dir)?;
+        let ready = process::wait_for("limiter /healthz", Duration::from_secs(15), || {
+            if !process.is_running() {
+                return Some(false);
+            }
+            http_blocking::get(port, "/healthz", Duration::from_millis(500))
+                .ok()
+                .filter(|r| r.status == 200)
+                .map(|_| true)
+        });
+        match ready {
+            Ok(true) => Ok(Limiter {
+                process,
+                port,
+                policies: policies.to_path_buf(),
+            }),
+            _ => Err(HarnessError::new(format!(
+                "limiter did not start on port {port}:\n{}",
+                process::tail(&process.stderr(), 30)
+            ))),
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn policies_path(&self) -> &Path {
+        &self.policies
+    }
+
+    pub fn pause(&mut self) {
+        self.process.signal(libc::SIGSTOP).unwrap();
+    }
+
+    pub fn resume(&mut self) {
+        self.process.signal(libc::SIGCONT).unwrap();
+    }
+
+    pub fn kill(&mut self) {
+        self.process.kill();
+    }
+
+    pub fn logs(&self) -> String {
+        format!("{}{}", self.process.stdout(), self.process.stderr())
+    }
+
+    /// `GET /metrics` text.
+    pub fn metrics(&self) -> String {
+        http_blocking::get(self.port, "/metrics", Duration::from_secs(5))
+            .map(|r| r.body)
+            .unwrap_or_default()
+    }
+}
+
+/// A shipped Envoy config made test-ready: every listener and the admin on port 0, the wasm
+/// path absolute, clusters `demo_upstream` and `tollgate_limiter` pointed at the given ports,
+/// and `policy` as the plugin configuration (the block after `value: |`).
+pub fn envoy_config(shipped: &str, policy: &str, upstream_port: u16, limiter_port: Option<u16>) -> String {
+    let text = std::fs::read_to_string(paths::workspace_root().join(shipped)).unwrap();
+    let (listeners, clusters) = text.split_once("\n  clusters:\n").unwrap();
+    let listeners = listeners
+        .replace("port_value: 10000", "port_value: 0")
+        .replace("port_value: 10001", "port_value: 0")
+        .replace("port_value: 9901", "port_value: 0")
+        .replace(
+            "filename: target/wasm32-wasip1/release/tollgate.wasm",
+            &format!("filename: {}", paths::wasm_path().display()),
+        );
+    let mut clusters = clusters.replace("port_value: 10001", &format!("port_value: {upstream_port}"));
+    if let Some(port) = limiter_port {
+        clusters = clusters.replace("port_value: 8081", &format!("port_value: {port}"));
+    }
+    let (head, block, tail) = policy_block(&listeners);
+    assert!(!block.is_empty(), "{shipped} has no policy block");
+    let indent = " ".repeat(block.len() - block.trim_start().len());
+    let indented: String = policy.lines().map(|l| format!("{indent}{l}\n")).collect();
+    format!("{head}{indented}{tail}\n  clusters:\n{clusters}")
+}
+
+/// Splits a config around the policy JSON block: the lines after `value: |` that are
+/// indented deeper than it.
+pub fn policy_block(config: &str) -> (String, String, String) {
+    let marker = "value: |\n";
+    let start = config.find(marker).expect("no `value: |` block") + marker.len();
+    let line_start = config[..start - marker.len()].rfind('\n').map_or(0, |i| i + 1);
+    let marker_indent = start - marker.len() - line_start;
+    let rest = &config[start..];
+    let mut end = 0;
+    for line in rest.split_inclusive('\n') {
+        let indent = line.len() - line.trim_start().len();
+        if !line.trim().is_empty() && indent <= marker_indent {
+            break;
+        }
+        end += line.len();
+    }
+    (config[..start].to_string(), rest[..end].to_string(), rest[end..].to_string())
+}
+
+/// Value of a Prometheus series (`name{labels}` exactly as printed, or a bare name, which also
+/// matches `name{}`); 0 when absent.
+pub fn prometheus_value(text: &str, series: &str) -> f64 {
+    let bare = format!("{series}{{}}");
+    text.lines()
+        .find(|l| {
+            [series, bare.as_str()]
+                .iter()
+                .any(|m| l.starts_with(m) && l[m.len()..].starts_with(' '))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
