@@ -27,16 +27,17 @@ pub enum LoadError {
     Invalid { path: PathBuf, errors: PolicyErrors },
 }
 
-/// Reads and validates a policy document.
-pub fn load_file(path: &Path) -> Result<Policies, LoadError> {
+/// Reads and validates a policy document; also returns the bytes it was read from.
+pub fn load_file(path: &Path) -> Result<(Policies, Vec<u8>), LoadError> {
     let bytes = std::fs::read(path).map_err(|source| LoadError::Io {
         path: path.to_owned(),
         source,
     })?;
-    Policies::from_json(&bytes).map_err(|errors| LoadError::Invalid {
+    let policies = Policies::from_json(&bytes).map_err(|errors| LoadError::Invalid {
         path: path.to_owned(),
         errors,
-    })
+    })?;
+    Ok((policies, bytes))
 }
 
 /// The document in force; cheap to read from every request.
@@ -70,15 +71,17 @@ impl PolicyHandle {
 }
 
 /// Polls `path` every `interval` until `shutdown` turns true; installs every new valid
-/// document, logs and counts every invalid or unreadable one.
+/// document, logs and counts every invalid or unreadable one. `loaded` are the bytes the
+/// document in force was read from (so a change made while this task starts is not missed).
 pub async fn watch_file(
     path: PathBuf,
+    loaded: Vec<u8>,
     handle: Arc<PolicyHandle>,
     metrics: Metrics,
     interval: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut last_seen: Option<Vec<u8>> = tokio::fs::read(&path).await.ok();
+    let mut last_seen: Option<Vec<u8>> = Some(loaded);
     let mut unreadable_logged = false;
     loop {
         tokio::select! {

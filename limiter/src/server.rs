@@ -202,7 +202,7 @@ pub async fn serve_with_store<S: Store>(
     store: S,
 ) -> Result<Running, StartError> {
     config.check()?;
-    let policies = policies::load_file(&config.policies)?;
+    let (policies, loaded) = policies::load_file(&config.policies)?;
     let metrics = Metrics::new()?;
     metrics.set_policy_version(&policies.version);
     tracing::info!(version = %policies.version, policies = policies.policies.len(),
@@ -233,6 +233,7 @@ pub async fn serve_with_store<S: Store>(
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(policies::watch_file(
         config.policies.clone(),
+        loaded,
         handle,
         metrics,
         config.policy_poll,

@@ -375,3 +375,97 @@ async fn unreachable_redis_is_an_error() {
     assert!(e.is_transient());
     assert!(s.ready().await.is_err());
 }
+
+/// `calls` of `cmdstat_<command>` in `INFO commandstats` (0 when never called).
+fn command_calls(server: &tollgate_e2e::RedisServer, command: &str) -> u64 {
+    let info = server.info("commandstats");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Hot keys: sharding spreads tenants, never one key. Every decision about one key runs on
+/// the one primary owning its slot (its lease records too); different tenants land on every
+/// primary; replicas never run a decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_lives_on_one_shard_and_tenants_spread() {
+    let cluster = shared_cluster();
+    let store = RedisClusterStore::new(&cluster.urls(), settings()).expect("cluster store");
+    store.ready().await.expect("ready");
+    store.refresh_slot_map().await.expect("slot map");
+
+    let hot = unique("hot");
+    let item = lease("hot-0", "thousand", &hot, 1, 1);
+    let slot = cluster.key_slot(&item.bucket_key());
+    assert_eq!(
+        slot,
+        cluster.key_slot(&item.lease_key()),
+        "record shares the slot"
+    );
+    let owner = cluster.primary_for_slot(slot);
+    assert_eq!(store.node_for(&hot), format!("127.0.0.1:{}", owner.port));
+    let owner_server = cluster.node(owner.port);
+    let before = command_calls(owner_server, "fcall");
+    for n in 0..200 {
+        let g = one(&store, lease(&format!("hot-{n}"), "thousand", &hot, 1, 1)).await;
+        assert_eq!(g.granted, 1);
+    }
+    let after = command_calls(owner_server, "fcall");
+    assert!(after - before >= 200, "owner ran {} calls", after - before);
+    for primary in cluster.primaries() {
+        let reply = cluster
+            .node(primary.port)
+            .cmd(&["EXISTS", &item.bucket_key()]);
+        if primary.port == owner.port {
+            assert_eq!(reply.as_int(), Some(1));
+        } else {
+            // Any other primary refuses the key outright: it cannot hold it.
+            let text = reply.to_text();
+            assert!(
+                text.contains(&format!("MOVED {slot} 127.0.0.1:{}", owner.port)),
+                "{}: {text}",
+                primary.port
+            );
+        }
+    }
+
+    let mut per_node = std::collections::BTreeMap::<String, u32>::new();
+    for t in 0..300 {
+        let tenant = unique("spread");
+        let item = lease(&format!("s{t}"), "tenant", &tenant, 1, 1);
+        assert_eq!(one(&store, item.clone()).await.granted, 1);
+        let node = store.node_for(&tenant);
+        let port: u16 = node.rsplit(':').next().unwrap().parse().unwrap();
+        assert_eq!(
+            cluster
+                .node(port)
+                .cmd(&["EXISTS", &item.bucket_key()])
+                .as_int(),
+            Some(1),
+            "{tenant} is where the slot map says"
+        );
+        *per_node.entry(node).or_default() += 1;
+    }
+    println!("300 tenants over primaries: {per_node:?}");
+    assert_eq!(per_node.len(), 3, "{per_node:?}");
+    for count in per_node.values() {
+        assert!((60..=140).contains(count), "uneven spread: {per_node:?}");
+    }
+    for replica in cluster.replicas() {
+        let server = cluster.node(replica.port);
+        assert_eq!(
+            command_calls(server, "fcall"),
+            0,
+            "replica {} decided",
+            replica.port
+        );
+        assert_eq!(
+            command_calls(server, "fcall_ro"),
+            0,
+            "replica {} was read",
+            replica.port
+        );
+    }
+}

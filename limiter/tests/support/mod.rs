@@ -117,20 +117,42 @@ pub fn policy_file(doc: &str) -> PathBuf {
     path
 }
 
-/// A config on 127.0.0.1:0 with the test policies.
+/// A config on 127.0.0.1:0 with the test policies. The store timeout is generous (500 ms) so
+/// a loaded 2-core CI machine does not turn slow answers into UNAVAILABLE; tests about the
+/// timeout set their own.
 pub fn config(store: StoreConfig) -> ServerConfig {
     let mut c = ServerConfig::new(policy_file(DOC));
     c.listen = SocketAddr::from(([127, 0, 0, 1], 0));
     c.store = store;
     c.policy_poll = Duration::from_millis(50);
+    c.store_timeout = Duration::from_millis(500);
     c
 }
 
+/// Starts a limiter and waits (bounded) until `/readyz` says the store is ready, like a load
+/// balancer's readiness check would before sending traffic.
 pub async fn start(store: StoreConfig) -> Running {
     start_with(config(store)).await
 }
 
 pub async fn start_with(config: ServerConfig) -> Running {
+    let running = start_unready(config).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let (status, body) = get(running.addr(), "/readyz").await;
+        if status == 200 {
+            return running;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "limiter not ready within 15s: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Starts a limiter without waiting for its store.
+pub async fn start_unready(config: ServerConfig) -> Running {
     serve(config).await.expect("limiter starts")
 }
 

@@ -1,0 +1,505 @@
+//! The limiter through its HTTP API, started in-process on 127.0.0.1:0: exactness under 64
+//! concurrent connections (memory, Redis, Redis Cluster), dedup by lease id, returns, h2c,
+//! request validation, health/readiness/metrics, policy reload, an unreachable store, and the
+//! real binary's flags and signal handling.
+
+// Test code: failing loudly is the point.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::Value;
+use support::*;
+use tollgate_e2e::{burst, RequestSpec};
+use tollgate_limiter::StoreConfig;
+
+/// 64 clients, each on its own keep-alive connection, fire 320 lease requests (want 1..=3)
+/// at one key of capacity 100 with negligible refill: exactly 100 units are granted.
+async fn sixty_four_clients_get_exactly_the_capacity(store: StoreConfig) {
+    let limiter = start(store).await;
+    let key = unique("hammer");
+    let responses = burst(limiter.addr().port(), 320, 64, |i| {
+        RequestSpec::post(
+            "/v1/leases",
+            lease_body(&format!("h{i}"), "hundred", &key, 1, 1 + (i as u64 % 3)),
+        )
+    })
+    .await;
+    let mut total = 0;
+    let mut denied = 0;
+    for r in &responses {
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: Value = serde_json::from_str(&r.body).unwrap();
+        let g = granted(&v);
+        total += g;
+        if g == 0 {
+            denied += 1;
+            assert!(v["leases"][0]["retry_after_ms"].as_u64().unwrap() > 0);
+        }
+    }
+    println!(
+        "granted {total} over {} requests ({denied} denied)",
+        responses.len()
+    );
+    assert_eq!(total, 100);
+    limiter.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_clients_memory() {
+    sixty_four_clients_get_exactly_the_capacity(StoreConfig::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_clients_redis() {
+    sixty_four_clients_get_exactly_the_capacity(StoreConfig::Redis(shared_redis().url())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_clients_cluster() {
+    sixty_four_clients_get_exactly_the_capacity(StoreConfig::Cluster(shared_cluster().urls()))
+        .await;
+}
+
+/// A lease id sent twice, then one sent by 32 connections at once: granted once each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_lease_id_is_granted_once() {
+    let limiter = start(StoreConfig::Redis(shared_redis().url())).await;
+    let addr = limiter.addr();
+    let key = unique("dup");
+    let body = lease_body("retry-me", "tenant", &key, 4, 4);
+    let (s1, first) = post(addr, "/v1/leases", &body).await;
+    let (s2, second) = post(addr, "/v1/leases", &body).await;
+    assert_eq!((s1, s2), (200, 200));
+    assert_eq!(granted(&first), 4);
+    assert_eq!(
+        first["leases"], second["leases"],
+        "a retry gets the original answer"
+    );
+    // 6 left: the retry took nothing.
+    let (_, rest) = post(
+        addr,
+        "/v1/leases",
+        &lease_body("rest", "tenant", &key, 6, 6),
+    )
+    .await;
+    assert_eq!(granted(&rest), 6);
+
+    let key = unique("dup-burst");
+    let body = lease_body("twin", "tenant", &key, 3, 3);
+    let responses = burst(addr.port(), 32, 32, |_| {
+        RequestSpec::post("/v1/leases", body.clone())
+    })
+    .await;
+    for r in &responses {
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(granted(&v), 3);
+    }
+    let (_, rest) = post(
+        addr,
+        "/v1/leases",
+        &lease_body("after", "tenant", &key, 7, 7),
+    )
+    .await;
+    assert_eq!(granted(&rest), 7, "32 copies of one id took 3 tokens once");
+    let (_, none) = post(
+        addr,
+        "/v1/leases",
+        &lease_body("none", "tenant", &key, 1, 1),
+    )
+    .await;
+    assert_eq!(granted(&none), 0);
+    limiter.shutdown().await;
+}
+
+/// Unused tokens go back once; the response carries the policy version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unused_tokens_are_returned_once() {
+    let limiter = start(StoreConfig::Memory).await;
+    let addr = limiter.addr();
+    let key = unique("ret");
+    let (_, v) = post(
+        addr,
+        "/v1/leases",
+        &lease_body("l1", "tenant", &key, 10, 10),
+    )
+    .await;
+    assert_eq!(granted(&v), 10);
+    assert_eq!(v["leases"][0]["expires_ms"], 2000);
+    assert_eq!(v["policy_version"], policies().version);
+    let (s, v) = post(
+        addr,
+        "/v1/leases/return",
+        &return_body("l1", "tenant", &key, 7),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(v["returns"][0]["returned"], 7);
+    let (_, v) = post(
+        addr,
+        "/v1/leases/return",
+        &return_body("l1", "tenant", &key, 7),
+    )
+    .await;
+    assert_eq!(v["returns"][0]["returned"], 3);
+    let (_, v) = post(
+        addr,
+        "/v1/leases/return",
+        &return_body("l1", "tenant", &key, 7),
+    )
+    .await;
+    assert_eq!(v["returns"][0]["returned"], 0);
+    let (_, v) = post(
+        addr,
+        "/v1/leases",
+        &lease_body("l2", "tenant", &key, 10, 10),
+    )
+    .await;
+    assert_eq!(granted(&v), 10);
+    limiter.shutdown().await;
+}
+
+async fn h2c_post(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let request = hyper::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    assert_eq!(response.version(), hyper::Version::HTTP_2);
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// HTTP/2 with prior knowledge (how Envoy multiplexes callouts) and HTTP/1.1 on one port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_and_http1_share_the_port() {
+    let limiter = start(StoreConfig::Memory).await;
+    let key = unique("h2");
+    let (status, body) = h2c_post(
+        limiter.addr(),
+        "/v1/leases",
+        &lease_body("h2-1", "tenant", &key, 2, 2),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(granted(&v), 2);
+    let (status, v) = post(
+        limiter.addr(),
+        "/v1/leases",
+        &lease_body("h1-1", "tenant", &key, 8, 8),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(granted(&v), 8);
+    limiter.shutdown().await;
+}
+
+/// Malformed bodies get 400 with a reason, oversized bodies 413, unknown paths 404; per-item
+/// problems are per-item errors next to real decisions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_refused_with_reasons() {
+    let limiter = start(StoreConfig::Memory).await;
+    let addr = limiter.addr();
+    for body in [
+        "",
+        "{",
+        r#"{"leases":[{"id":"a","policy":"tenant","key":"k","min":1,"want":1,"x":true}]}"#,
+        r#"{"leases":[{"id":"a","policy":"tenant","key":"k","min":-3,"want":1}]}"#,
+        r#"{"leases":[{"id":"a","policy":"tenant","key":"k","min":1,"want":2.5}]}"#,
+        r#"{"leases":[{"id":"a","policy":"tenant","key":"k","min":1,"want":1e999}]}"#,
+        r#"{"leases":[{"id":"a","policy":"tenant","key":"k","min":1,"want":99999999999999999999999}]}"#,
+        r#"{"returns":[]}"#,
+    ] {
+        let (status, v) = post(addr, "/v1/leases", body).await;
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"], "INVALID_REQUEST");
+        assert!(v["reason"].is_string(), "{v}");
+    }
+    let (status, v) = post(addr, "/v1/leases/return", r#"{"returns":[{"id":"a"}]}"#).await;
+    assert_eq!(
+        (status, v["error"].as_str()),
+        (400, Some("INVALID_REQUEST"))
+    );
+
+    let items: Vec<String> = (0..300)
+        .map(|i| format!(r#"{{"id":"{i}","policy":"tenant","key":"k","min":1,"want":1}}"#))
+        .collect();
+    let (status, v) = post(
+        addr,
+        "/v1/leases",
+        &format!(r#"{{"leases":[{}]}}"#, items.join(",")),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["reason"].as_str().unwrap().contains("at most 256"));
+
+    let huge = format!(r#"{{"leases":[],"pad":"{}"}}"#, "x".repeat(300 * 1024));
+    let (status, v) = post(addr, "/v1/leases", &huge).await;
+    assert_eq!(status, 413, "{v}");
+    assert_eq!(v["error"], "INVALID_REQUEST");
+
+    let (status, _) = post(addr, "/v2/leases", "{}").await;
+    assert_eq!(status, 404);
+    let (status, _) = get(addr, "/v1/leases").await;
+    assert_eq!(status, 405);
+
+    let key = unique("mixed");
+    let body = format!(
+        r#"{{"leases":[
+        {{"id":"ok","policy":"tenant","key":"{key}","min":1,"want":1}},
+        {{"id":"p","policy":"no-such-policy","key":"{key}","min":1,"want":1}},
+        {{"id":"l","policy":"local-only","key":"{key}","min":1,"want":1}},
+        {{"id":"k","policy":"tenant","key":"a b","min":1,"want":1}},
+        {{"id":"z","policy":"tenant","key":"{key}","min":0,"want":1}},
+        {{"id":"b","policy":"tenant","key":"{key}","min":11,"want":11}},
+        {{"id":"{long}","policy":"tenant","key":"{key}","min":1,"want":1}}]}}"#,
+        long = "x".repeat(129)
+    );
+    let (status, v) = post(addr, "/v1/leases", &body).await;
+    assert_eq!(status, 200, "{v}");
+    let l = v["leases"].as_array().unwrap();
+    assert_eq!(l[0]["granted"], 1);
+    assert_eq!(l[1]["error"], "INVALID_POLICY");
+    assert_eq!(l[2]["error"], "INVALID_POLICY");
+    for item in &l[3..] {
+        assert_eq!(item["error"], "INVALID_REQUEST", "{item}");
+        assert!(item["reason"].is_string());
+    }
+    limiter.shutdown().await;
+}
+
+/// `/healthz`, `/readyz` (store reachable, functions loaded) and `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_and_metrics() {
+    let redis = shared_redis();
+    let limiter = start(StoreConfig::Redis(redis.url())).await;
+    let addr = limiter.addr();
+    assert_eq!(get(addr, "/healthz").await.0, 200);
+    let (status, body) = get(addr, "/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["ready"], true);
+    assert_eq!(v["store"], "redis");
+
+    let key = unique("metrics");
+    post(
+        addr,
+        "/v1/leases",
+        &lease_body("m1", "tenant", &key, 10, 10),
+    )
+    .await;
+    post(addr, "/v1/leases", &lease_body("m2", "tenant", &key, 1, 1)).await;
+    post(
+        addr,
+        "/v1/leases",
+        &lease_body("m1", "tenant", &key, 10, 10),
+    )
+    .await;
+    post(addr, "/v1/leases", &lease_body("m3", "nope", &key, 1, 1)).await;
+    post(
+        addr,
+        "/v1/leases/return",
+        &return_body("m1", "tenant", &key, 4),
+    )
+    .await;
+    let (status, text) = get(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    let node = format!("127.0.0.1:{}", redis.port());
+    for needle in [
+        r#"tollgate_limiter_decisions_total{outcome="GRANTED",policy="tenant"} 1"#.to_owned(),
+        r#"tollgate_limiter_decisions_total{outcome="OVER_LIMIT",policy="tenant"} 1"#.to_owned(),
+        r#"tollgate_limiter_decisions_total{outcome="REPLAYED",policy="tenant"} 1"#.to_owned(),
+        r#"tollgate_limiter_decisions_total{outcome="INVALID_POLICY",policy="(unknown)"} 1"#
+            .to_owned(),
+        r#"tollgate_limiter_tokens_granted_total{policy="tenant"} 10"#.to_owned(),
+        r#"tollgate_limiter_tokens_returned_total{policy="tenant"} 4"#.to_owned(),
+        format!(
+            r#"tollgate_limiter_store_call_duration_seconds_count{{node="{node}",op="lease"}} 3"#
+        ),
+        format!(r#"tollgate_limiter_active_keys{{node="{node}"}}"#),
+        format!(
+            r#"tollgate_limiter_policy_info{{version="{}"}} 1"#,
+            policies().version
+        ),
+    ] {
+        assert!(text.contains(&needle), "missing {needle} in\n{text}");
+    }
+    assert!(!text.contains(&key), "tenant keys never appear in metrics");
+    limiter.shutdown().await;
+}
+
+/// A changed policy file is picked up; an invalid one is refused and the last good stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_reload_keeps_the_last_good_document() {
+    let config = config(StoreConfig::Memory);
+    let path = config.policies.clone();
+    let limiter = start_with(config).await;
+    let addr = limiter.addr();
+    let v1 = policies().version.clone();
+
+    let bigger = DOC.replace(
+        r#""burst": 10, "scope": "global"},"#,
+        r#""burst": 20, "scope": "global"},"#,
+    );
+    assert_ne!(bigger, DOC);
+    std::fs::write(&path, &bigger).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let key = unique("reload");
+    let v2 = loop {
+        let (_, v) = post(
+            addr,
+            "/v1/leases",
+            &lease_body(&unique("id"), "hundred", &key, 1, 1),
+        )
+        .await;
+        let version = v["policy_version"].as_str().unwrap().to_owned();
+        if version != v1 {
+            break version;
+        }
+        assert!(Instant::now() < deadline, "policy change not picked up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (_, v) = post(
+        addr,
+        "/v1/leases",
+        &lease_body("big", "tenant", &unique("t"), 20, 20),
+    )
+    .await;
+    assert_eq!(granted(&v), 20, "new burst in force");
+
+    std::fs::write(&path, r#"{"policies": [{"name": "Bad Name"}]}"#).unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let (status, v) = post(
+        addr,
+        "/v1/leases",
+        &lease_body("after", "tenant", &unique("t"), 20, 20),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        v["policy_version"],
+        v2.as_str(),
+        "the last good document stays"
+    );
+    assert_eq!(granted(&v), 20);
+    let (_, text) = get(addr, "/metrics").await;
+    assert!(
+        text.contains(r#"tollgate_limiter_policy_reloads_total{result="invalid"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"tollgate_limiter_policy_reloads_total{result="ok"} 1"#),
+        "{text}"
+    );
+    assert!(text.contains(&format!(
+        r#"tollgate_limiter_policy_info{{version="{v2}"}} 1"#
+    )));
+    limiter.shutdown().await;
+}
+
+/// No store: every item UNAVAILABLE → 503; next to invalid items → per-item errors; never a
+/// grant or a denial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_store_is_unavailable_never_a_decision() {
+    let port = tollgate_e2e::free_port();
+    let limiter = start_unready(config(StoreConfig::Redis(format!(
+        "redis://127.0.0.1:{port}"
+    ))))
+    .await;
+    let addr = limiter.addr();
+    let start = Instant::now();
+    let (status, v) = post(addr, "/v1/leases", &lease_body("a", "tenant", "t", 1, 1)).await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"], "UNAVAILABLE");
+    assert!(start.elapsed() < Duration::from_secs(2));
+    let body = r#"{"leases":[
+        {"id":"a","policy":"tenant","key":"t","min":1,"want":1},
+        {"id":"b","policy":"nope","key":"t","min":1,"want":1}]}"#;
+    let (status, v) = post(addr, "/v1/leases", body).await;
+    assert_eq!(status, 200);
+    assert_eq!(v["leases"][0]["error"], "UNAVAILABLE");
+    assert!(v["leases"][0].get("granted").is_none());
+    assert_eq!(v["leases"][1]["error"], "INVALID_POLICY");
+    let (status, v) = post(
+        addr,
+        "/v1/leases/return",
+        &return_body("a", "tenant", "t", 1),
+    )
+    .await;
+    assert_eq!((status, v["error"].as_str()), (503, Some("UNAVAILABLE")));
+    let (status, body) = get(addr, "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(get(addr, "/healthz").await.0, 200, "alive, just not ready");
+    limiter.shutdown().await;
+}
+
+/// The binary: flags and env vars, listening, SIGTERM → clean exit; a bad policy file →
+/// refuses to start, saying why.
+#[test]
+fn the_binary_starts_serves_and_stops_on_sigterm() {
+    let bin = env!("CARGO_BIN_EXE_tollgate-limiter");
+    let dir = tollgate_e2e::paths::new_log_dir("", "limiter-bin");
+    let policies = policy_file(DOC);
+    let port = tollgate_e2e::free_port();
+    let mut cmd = std::process::Command::new(bin);
+    cmd.args([
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--log-format",
+        "json",
+    ])
+    .env("TOLLGATE_POLICIES", &policies)
+    .env("TOLLGATE_STORE_TIMEOUT", "30ms");
+    let mut child = tollgate_e2e::process::ChildProcess::spawn("limiter", cmd, &dir).unwrap();
+    let ready =
+        tollgate_e2e::process::wait_for("the limiter binary", Duration::from_secs(10), || {
+            tollgate_e2e::http_blocking::get(port, "/readyz", Duration::from_millis(500))
+                .ok()
+                .filter(|r| r.status == 200)
+        });
+    assert!(ready.is_ok(), "{ready:?}\n{}", child.stderr());
+    child.signal(libc::SIGTERM).unwrap();
+    let status =
+        tollgate_e2e::process::wait_for("exit after SIGTERM", Duration::from_secs(10), || {
+            child.exit_status()
+        })
+        .unwrap();
+    assert!(status.success(), "{status:?}\n{}", child.stderr());
+    let log = child.stderr();
+    assert!(
+        log.contains(r#""message":"tollgate limiter listening""#),
+        "{log}"
+    );
+    assert!(log.contains("SIGTERM"), "{log}");
+
+    let bad = policy_file(r#"{"policies": [{"name": "x", "rate": 5}]}"#);
+    let out = std::process::Command::new(bin)
+        .args(["--listen", "127.0.0.1:0"])
+        .env("TOLLGATE_POLICIES", &bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("invalid policy file"), "{err}");
+    assert!(err.contains("policies[0]"), "{err}");
+}
