@@ -31,3 +31,11 @@ lint:
 test: lint build-wasm
     cargo test --workspace
     cargo test -p tollgate-core --target wasm32-wasip1
+
+# Outputs target/oci/tollgate/ (OCI layout), target/oci/tollgate.tar (oci-archive) and
+# target/oci/tollgate.digest (what WasmPlugin.sha256 pins). Push with
+#   skopeo copy --preserve-digests oci-archive:target/oci/tollgate.tar docker://<repo>:<tag>
+
+# Build the filter as a Wasm OCI image (Istio compat variant), without Docker; reproducible.
+oci: build-wasm
+    tools/oci-build --wasm {{wasm}} --out target/oci
