@@ -39,3 +39,7 @@ test: lint build-wasm
 # Build the filter as a Wasm OCI image (Istio compat variant), without Docker; reproducible.
 oci: build-wasm
     tools/oci-build --wasm {{wasm}} --out target/oci
+
+# Regenerate deploy/k8s/base/policies-configmap.yaml from policies/ (after editing a policy).
+k8s-policies:
+    tools/render-k8s-policies
