@@ -43,3 +43,14 @@ oci: build-wasm
 # Regenerate deploy/k8s/base/policies-configmap.yaml from policies/ (after editing a policy).
 k8s-policies:
     tools/render-k8s-policies
+
+# Renders target/istio/wasmplugin.yaml from envoy/istio/wasmplugin.yaml.tmpl with the digest
+# of the image `just oci` has just built and the policy document as pluginConfig. Apply with
+#   kubectl apply -f target/istio/wasmplugin.yaml -f envoy/istio/stats-bootstrap.yaml \
+#     -f envoy/istio/limiter-destinationrule.yaml
+# Arguments are positional: just istio policies/payments-global.json registry.internal/tollgate
+# (global limiting, with the limiter of deploy/k8s).
+
+# Render the Istio WasmPlugin pinned to the freshly built image (target/istio/wasmplugin.yaml).
+istio policy="policies/payments.json" repo="registry.example.com/platform/tollgate" limiter_cluster="outbound|8081||tollgate-limiter.tollgate.svc.cluster.local": oci
+    tools/render-istio --wasm {{wasm}} --layout target/oci/tollgate --repo '{{repo}}' --policy '{{policy}}' --limiter-cluster '{{limiter_cluster}}' --out target/istio/wasmplugin.yaml
