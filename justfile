@@ -54,3 +54,7 @@ k8s-policies:
 # Render the Istio WasmPlugin pinned to the freshly built image (target/istio/wasmplugin.yaml).
 istio policy="policies/payments.json" repo="registry.example.com/platform/tollgate" limiter_cluster="outbound|8081||tollgate-limiter.tollgate.svc.cluster.local": oci
     tools/render-istio --wasm {{wasm}} --layout target/oci/tollgate --repo '{{repo}}' --policy '{{policy}}' --limiter-cluster '{{limiter_cluster}}' --out target/istio/wasmplugin.yaml
+
+# Regenerate dashboards/tollgate.json (Grafana) from tools/gen-dashboard.
+dashboard:
+    tools/gen-dashboard
