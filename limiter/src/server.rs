@@ -242,14 +242,8 @@ pub async fn serve_with_store<S: Store>(
     tasks.push(tokio::spawn({
         let service = Arc::clone(&service);
         async move {
-            // First contact with the store: load the functions, report readiness in the log.
-            let ready = service.readiness().await;
-            if ready.status == 200 {
-                tracing::info!(store = service.store().kind(), "store ready");
-            } else {
-                tracing::warn!(store = service.store().kind(), reply = %ready.body,
-                    "store not ready yet; requests answer UNAVAILABLE until it is");
-            }
+            // First contact with the store: replace its functions with this build's.
+            service.prepare_store().await;
             loop {
                 service.sample_active_keys().await;
                 tokio::time::sleep(ACTIVE_KEYS_EVERY).await;

@@ -449,6 +449,39 @@ impl<S: Store> Service<S> {
         }
     }
 
+    /// Installs the store's server-side code, retrying with backoff until it succeeds (a store
+    /// that is down at start gets the current code as soon as it is back, not only when a
+    /// call finds the functions missing).
+    pub async fn prepare_store(&self) {
+        let mut pause = Duration::from_millis(100);
+        let mut warned = false;
+        loop {
+            let deadline = self.settings.store_timeout.max(Duration::from_secs(2));
+            let result = match tokio::time::timeout(deadline, self.store.prepare()).await {
+                Ok(result) => result,
+                Err(_) => Err(StoreError::Timeout(deadline)),
+            };
+            match result {
+                Ok(()) => {
+                    tracing::info!(
+                        store = self.store.kind(),
+                        "store prepared (functions loaded)"
+                    );
+                    return;
+                }
+                Err(e) => {
+                    if !warned {
+                        tracing::warn!(store = self.store.kind(), error = %e,
+                            "cannot prepare the store yet; retrying in the background");
+                        warned = true;
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
     /// Samples the store's key counts into the active-keys gauge.
     pub async fn sample_active_keys(&self) {
         let deadline = self.settings.store_timeout.max(Duration::from_secs(2));

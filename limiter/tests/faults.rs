@@ -85,6 +85,27 @@ async fn flushed_functions_lose_no_decision() {
     limiter.shutdown().await;
 }
 
+/// An older revision of the library (same name, other code) is replaced when a limiter
+/// starts, so a deploy never keeps running yesterday's bucket math.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_library_is_replaced_at_start() {
+    let redis = RedisServer::start();
+    let stale = "#!lua name=tollgate_v1\n\
+                 redis.register_function('tollgate_v1_ping', function() return 'stale' end)";
+    assert_eq!(redis.cli(&["FUNCTION", "LOAD", stale]), "tollgate_v1");
+    assert_eq!(redis.cli(&["FCALL", "tollgate_v1_ping", "0"]), "stale");
+    let limiter = start(StoreConfig::Redis(redis.url())).await;
+    assert_eq!(
+        redis.cli(&["FCALL", "tollgate_v1_ping", "0"]),
+        "tollgate_v1"
+    );
+    assert_eq!(
+        lease_once(limiter.addr(), "tenant", &unique("fresh"), 1).await,
+        Some(1)
+    );
+    limiter.shutdown().await;
+}
+
 /// Redis restarted empty (no persistence: keys and functions gone): calls in flight fail as
 /// UNAVAILABLE, the connection comes back, the first call on the new server reloads the
 /// library, and accounting on the new server is exact.

@@ -322,9 +322,18 @@ async fn health_readiness_and_metrics() {
         &return_body("m1", "tenant", &key, 4),
     )
     .await;
-    let (status, text) = get(addr, "/metrics").await;
-    assert_eq!(status, 200);
     let node = format!("127.0.0.1:{}", redis.port());
+    // The active-keys gauge is sampled in the background once the store is prepared.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let (status, text) = get(addr, "/metrics").await;
+        assert_eq!(status, 200);
+        if text.contains(&format!(r#"tollgate_limiter_active_keys{{node="{node}"}}"#)) {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "no active keys sample:\n{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     for needle in [
         r#"tollgate_limiter_decisions_total{outcome="GRANTED",policy="tenant"} 1"#.to_owned(),
         r#"tollgate_limiter_decisions_total{outcome="OVER_LIMIT",policy="tenant"} 1"#.to_owned(),

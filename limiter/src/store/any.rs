@@ -31,6 +31,14 @@ impl Store for AnyStore {
         }
     }
 
+    async fn prepare(&self) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.prepare().await,
+            AnyStore::Redis(s) => s.prepare().await,
+            AnyStore::Cluster(s) => s.prepare().await,
+        }
+    }
+
     async fn ready(&self) -> Result<(), StoreError> {
         match self {
             AnyStore::Memory(s) => s.ready().await,

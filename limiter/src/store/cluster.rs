@@ -286,6 +286,10 @@ impl Store for RedisClusterStore {
         script::parse_return_reply(&reply)
     }
 
+    async fn prepare(&self) -> Result<(), StoreError> {
+        self.load_library().await
+    }
+
     async fn ready(&self) -> Result<(), StoreError> {
         let seen = self.reloader.generation();
         let reply = match self.on_every_primary(script::ping_cmd()).await {

@@ -364,6 +364,10 @@ impl Store for MemoryStore {
         Ok(self.give_back_at(item, self.clock.now_ms()))
     }
 
+    async fn prepare(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     async fn ready(&self) -> Result<(), StoreError> {
         Ok(())
     }

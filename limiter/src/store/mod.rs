@@ -201,6 +201,10 @@ pub trait Store: Send + Sync + 'static {
         item: &ReturnItem,
     ) -> impl Future<Output = Result<ReturnOutcome, StoreError>> + Send;
 
+    /// Puts the store's server-side code in place, replacing any older revision of it (Redis:
+    /// `FUNCTION LOAD REPLACE` on every primary). Called at start; a no-op in memory.
+    fn prepare(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Reachable, with its functions loaded (loading them if they are missing).
     fn ready(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 

@@ -104,6 +104,10 @@ impl Store for RedisStore {
         script::parse_return_reply(&reply)
     }
 
+    async fn prepare(&self) -> Result<(), StoreError> {
+        self.load_library().await
+    }
+
     async fn ready(&self) -> Result<(), StoreError> {
         let reply = self.call(&script::ping_cmd()).await?;
         script::check_ping_reply(&reply)
