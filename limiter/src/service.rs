@@ -53,10 +53,13 @@ impl Reply {
     fn json<T: Serialize>(status: u16, body: &T) -> Self {
         match serde_json::to_string(body) {
             Ok(body) => Self { status, body },
-            Err(e) => Self {
-                status: 500,
-                body: format!("{{\"error\":\"internal\",\"reason\":\"{e}\"}}"),
-            },
+            Err(e) => {
+                tracing::error!(error = %e, "cannot encode a response");
+                Self {
+                    status: 500,
+                    body: r#"{"error":"INTERNAL"}"#.to_owned(),
+                }
+            }
         }
     }
 

@@ -108,7 +108,9 @@ async fn run(redis: &RedisStore, case: u64, ops: Vec<Op>) -> Result<(), TestCase
                     .lease(&items)
                     .await
                     .map_err(|e| TestCaseError::fail(format!("redis: {e}")))?;
-                let from_memory = memory.lease_at(&items, from_redis.now_ms);
+                let from_memory = memory
+                    .lease_at(&items, from_redis.now_ms)
+                    .map_err(|e| TestCaseError::fail(format!("memory: {e}")))?;
                 prop_assert_eq!(
                     &from_redis,
                     &from_memory,

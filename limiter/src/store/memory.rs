@@ -219,7 +219,7 @@ impl MemoryStore {
     }
 
     /// The decision the Redis Function `tollgate_v1_lease` makes, line by line.
-    pub fn lease_at(&self, items: &[LeaseItem], now: u64) -> LeaseOutcome {
+    pub fn lease_at(&self, items: &[LeaseItem], now: u64) -> Result<LeaseOutcome, StoreError> {
         let mut inner = self.lock();
         inner.sweep(now);
 
@@ -303,20 +303,16 @@ impl MemoryStore {
                 });
             }
         }
-        LeaseOutcome {
+        // Every item was either replayed or decided; anything else is a bug, reported as an
+        // error rather than turned into a denial.
+        let grants = grants
+            .into_iter()
+            .collect::<Option<Vec<Grant>>>()
+            .ok_or_else(|| StoreError::Protocol("memory store left an item undecided".into()))?;
+        Ok(LeaseOutcome {
             now_ms: now,
-            grants: grants
-                .into_iter()
-                .map(|g| {
-                    g.unwrap_or(Grant {
-                        granted: 0,
-                        remaining: 0.0,
-                        retry_after_ms: 0,
-                        replayed: false,
-                    })
-                })
-                .collect(),
-        }
+            grants,
+        })
     }
 
     /// The decision the Redis Function `tollgate_v1_return` makes, line by line.
@@ -357,7 +353,7 @@ impl MemoryStore {
 
 impl Store for MemoryStore {
     async fn lease(&self, items: &[LeaseItem]) -> Result<LeaseOutcome, StoreError> {
-        Ok(self.lease_at(items, self.clock.now_ms()))
+        self.lease_at(items, self.clock.now_ms())
     }
 
     async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {
@@ -420,10 +416,12 @@ mod tests {
         // 1 unit/10ms, burst 1: full refill 10ms, bucket TTL 1010ms.
         let l = Limits::new(1, 10, 1).unwrap();
         for i in 0..100 {
-            let o = store.lease_at(
-                &[item(&format!("id{i}"), &format!("t{i}"), l, 1, 1)],
-                clock.now_ms(),
-            );
+            let o = store
+                .lease_at(
+                    &[item(&format!("id{i}"), &format!("t{i}"), l, 1, 1)],
+                    clock.now_ms(),
+                )
+                .unwrap();
             assert_eq!(o.grants[0].granted, 1);
         }
         assert_eq!(store.len(), 200);
@@ -450,7 +448,9 @@ mod tests {
         let l = Limits::new(1, 10, 5).unwrap();
         for i in 0..50 {
             clock.advance(1);
-            store.lease_at(&[item(&format!("id{i}"), "t", l, 1, 1)], clock.now_ms());
+            store
+                .lease_at(&[item(&format!("id{i}"), "t", l, 1, 1)], clock.now_ms())
+                .unwrap();
         }
         // 1 bucket + 50 records, one heap entry each.
         assert_eq!(store.lock().expiries.len(), 51);
@@ -460,10 +460,14 @@ mod tests {
     fn an_expired_record_reads_as_absent_before_it_is_swept() {
         let (store, clock) = store();
         let l = Limits::new(1, 3_600_000, 5).unwrap();
-        let a = store.lease_at(&[item("x", "t", l, 1, 1)], clock.now_ms());
+        let a = store
+            .lease_at(&[item("x", "t", l, 1, 1)], clock.now_ms())
+            .unwrap();
         assert_eq!(a.grants[0].granted, 1);
         clock.advance(60_001);
-        let b = store.lease_at(&[item("x", "t", l, 1, 1)], clock.now_ms());
+        let b = store
+            .lease_at(&[item("x", "t", l, 1, 1)], clock.now_ms())
+            .unwrap();
         assert!(!b.grants[0].replayed);
         assert_eq!(b.grants[0].granted, 1);
     }
