@@ -13,13 +13,43 @@ build-wasm:
     cargo build --release --target wasm32-wasip1 -p tollgate
     @ls -l {{wasm}} | awk '{print "built {{wasm}}: " $5 " bytes"}'
 
-# Run the demo: Envoy (4 workers) + tollgate filter + demo upstream, until Ctrl-C.
-demo: build-wasm
-    @echo "tollgate demo on http://127.0.0.1:10000 (admin http://127.0.0.1:9901). Try:"
-    @echo "  for i in \$(seq 6); do curl -s -o /dev/null -w '%{http_code}\n' -X POST -H 'host: api.example.com' -H 'x-tenant-id: acme' localhost:10000/payments/transfers; done"
+# Envoy + tollgate (global policy) + limiter (store=memory|redis) + demo upstream, until Ctrl-C.
+up store="memory": build-wasm build-limiter
+    #!/usr/bin/env bash
+    set -euo pipefail
+    pids=()
+    trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT INT TERM
+    redis_args=()
+    if [ "{{store}}" = "redis" ]; then
+      redis-server --port 6379 --bind 127.0.0.1 --save "" --appendonly no --daemonize no > target/demo-redis.log 2>&1 &
+      pids+=($!)
+      for _ in $(seq 50); do redis-cli -p 6379 ping >/dev/null 2>&1 && break; sleep 0.1; done
+      redis_args=(--redis redis://127.0.0.1:6379)
+    elif [ "{{store}}" != "memory" ]; then
+      echo "store must be memory or redis" >&2; exit 2
+    fi
+    target/release/tollgate-limiter --policies policies/payments-global.json "${redis_args[@]}" > target/demo-limiter.log 2>&1 &
+    pids+=($!)
+    for _ in $(seq 50); do curl -sf localhost:8081/healthz >/dev/null 2>&1 && break; sleep 0.1; done
+    echo "tollgate demo ({{store}} store): Envoy on http://127.0.0.1:10000, admin :9901, limiter :8081 (/metrics). Try:"
+    echo "  for i in \$(seq 6); do curl -s -o /dev/null -w '%{http_code} ' -X POST -H 'host: api.example.com' -H 'x-tenant-id: acme' localhost:10000/payments/transfers; done; echo"
+    echo "  curl -si -X POST -H 'host: api.example.com' -H 'x-tenant-id: acme' localhost:10000/payments/transfers"
+    echo "  curl -s localhost:9901/stats/prometheus | grep ^tollgate_ ; curl -s localhost:8081/metrics | grep ^tollgate_"
+    echo "Logs: target/demo-limiter.log. Ctrl-C stops everything."
+    envoy -c envoy/global.yaml --concurrency 4 --disable-hot-restart -l warn
+
+# The demo (same as `up`): store=memory or store=redis.
+demo store="memory": (up store)
+
+# Local limiting only (no limiter): Envoy + tollgate with policies/payments.json.
+demo-local: build-wasm
+    @echo "tollgate (local policies) on http://127.0.0.1:10000 (admin :9901). Try:"
     @echo "  curl -si -X POST -H 'host: api.example.com' -H 'x-tenant-id: acme' localhost:10000/payments/transfers"
-    @echo "  curl -s localhost:9901/stats/prometheus | grep ^tollgate_"
     envoy -c envoy/local.yaml --concurrency 4 --disable-hot-restart -l warn
+
+# Build the limiter service (release).
+build-limiter:
+    cargo build --release -p tollgate-limiter
 
 # Formatting and lints (native and wasm32; unwrap/expect/panic denied outside tests).
 lint:
@@ -29,6 +59,7 @@ lint:
 
 # Every test: lint, unit + property + end-to-end (real Envoy, real Redis), core on wasm32.
 test: lint build-wasm
+    cargo build -p tollgate-limiter
     cargo test --workspace
     cargo test -p tollgate-core --target wasm32-wasip1
 

@@ -32,7 +32,11 @@ impl Limits {
     /// The same bucket at `share` of its rate and capacity (capacity at least 1): an
     /// instance's own budget while the global owner cannot be reached.
     pub fn scaled(&self, share: f64) -> Self {
-        let share = if share.is_finite() { share.clamp(0.0, 1.0) } else { 0.0 };
+        let share = if share.is_finite() {
+            share.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
         Self {
             capacity: (self.capacity * share).max(1.0),
             refill_per_ms: self.refill_per_ms * share,

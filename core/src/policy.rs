@@ -592,16 +592,28 @@ fn compile(document: PolicyDocument, version: String) -> Result<Policies, Policy
                 errors.push(None, "limiter.authority".into(), "must not be empty");
             }
             if limiter.lease_horizon.0 == 0 {
-                errors.push(None, "limiter.lease_horizon".into(), "must be longer than 0ms");
+                errors.push(
+                    None,
+                    "limiter.lease_horizon".into(),
+                    "must be longer than 0ms",
+                );
             }
             if limiter.lease_max == 0 || limiter.lease_max > MAX_BURST {
-                errors.push(None, "limiter.lease_max".into(), format!("must be between 1 and {MAX_BURST}"));
+                errors.push(
+                    None,
+                    "limiter.lease_max".into(),
+                    format!("must be between 1 and {MAX_BURST}"),
+                );
             }
             if !(0.0..1.0).contains(&limiter.low_water) {
                 errors.push(None, "limiter.low_water".into(), "must be in [0, 1)");
             }
             if limiter.unavailable_backoff.0 == 0 || limiter.unavailable_backoff.0 > 60_000 {
-                errors.push(None, "limiter.unavailable_backoff".into(), "must be between 1ms and 60s");
+                errors.push(
+                    None,
+                    "limiter.unavailable_backoff".into(),
+                    "must be between 1ms and 60s",
+                );
             }
         }
         None if has_global => errors.push(

@@ -18,7 +18,8 @@ pub fn limiter_bin() -> PathBuf {
     if let Some(bin) = std::env::var_os("TOLLGATE_LIMITER_BIN") {
         return PathBuf::from(bin);
     }
-    let candidates = ["debug", "release"].map(|p| paths::target_dir().join(p).join("tollgate-limiter"));
+    let candidates =
+        ["debug", "release"].map(|p| paths::target_dir().join(p).join("tollgate-limiter"));
     candidates
         .iter()
         .filter(|p| p.exists())
@@ -41,6 +42,8 @@ pub struct Limiter {
     process: ChildProcess,
     port: u16,
     policies: PathBuf,
+    store: Store,
+    extra: Vec<String>,
 }
 
 impl Limiter {
@@ -55,9 +58,10 @@ impl Limiter {
         let policies = dir.join("policies.json");
         std::fs::write(&policies, policy)?;
         let mut last = HarnessError::new("no attempt");
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         for _ in 0..8 {
             let port = free_port();
-            match Self::spawn(&dir, &policies, port, &store, extra) {
+            match Self::spawn(&dir, &policies, port, &store, &extra) {
                 Ok(limiter) => return Ok(limiter),
                 Err(e) => last = e,
             }
@@ -65,7 +69,13 @@ impl Limiter {
         Err(last)
     }
 
-    fn spawn(dir: &Path, policies: &Path, port: u16, store: &Store, extra: &[&str]) -> Result<Limiter> {
+    fn spawn(
+        dir: &Path,
+        policies: &Path,
+        port: u16,
+        store: &Store,
+        extra: &[String],
+    ) -> Result<Limiter> {
         let mut cmd = Command::new(limiter_bin());
         cmd.arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
@@ -97,6 +107,8 @@ impl Limiter {
                 process,
                 port,
                 policies: policies.to_path_buf(),
+                store: store.clone(),
+                extra: extra.to_vec(),
             }),
             _ => Err(HarnessError::new(format!(
                 "limiter did not start on port {port}:\n{}",
@@ -125,6 +137,26 @@ impl Limiter {
         self.process.kill();
     }
 
+    /// Starts a stopped (killed) limiter again on the same port, same flags.
+    pub fn restart(&mut self) {
+        self.process.kill();
+        let dir = self.process.log_dir().to_path_buf();
+        let mut last = String::new();
+        for _ in 0..20 {
+            match Self::spawn(&dir, &self.policies, self.port, &self.store, &self.extra) {
+                Ok(fresh) => {
+                    *self = fresh;
+                    return;
+                }
+                Err(e) => {
+                    last = e.to_string();
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+        panic!("limiter did not restart on port {}: {last}", self.port);
+    }
+
     pub fn logs(&self) -> String {
         format!("{}{}", self.process.stdout(), self.process.stderr())
     }
@@ -140,7 +172,12 @@ impl Limiter {
 /// A shipped Envoy config made test-ready: every listener and the admin on port 0, the wasm
 /// path absolute, clusters `demo_upstream` and `tollgate_limiter` pointed at the given ports,
 /// and `policy` as the plugin configuration (the block after `value: |`).
-pub fn envoy_config(shipped: &str, policy: &str, upstream_port: u16, limiter_port: Option<u16>) -> String {
+pub fn envoy_config(
+    shipped: &str,
+    policy: &str,
+    upstream_port: u16,
+    limiter_port: Option<u16>,
+) -> String {
     let text = std::fs::read_to_string(paths::workspace_root().join(shipped)).unwrap();
     let (listeners, clusters) = text.split_once("\n  clusters:\n").unwrap();
     let listeners = listeners
@@ -151,7 +188,8 @@ pub fn envoy_config(shipped: &str, policy: &str, upstream_port: u16, limiter_por
             "filename: target/wasm32-wasip1/release/tollgate.wasm",
             &format!("filename: {}", paths::wasm_path().display()),
         );
-    let mut clusters = clusters.replace("port_value: 10001", &format!("port_value: {upstream_port}"));
+    let mut clusters =
+        clusters.replace("port_value: 10001", &format!("port_value: {upstream_port}"));
     if let Some(port) = limiter_port {
         clusters = clusters.replace("port_value: 8081", &format!("port_value: {port}"));
     }
@@ -167,7 +205,9 @@ pub fn envoy_config(shipped: &str, policy: &str, upstream_port: u16, limiter_por
 pub fn policy_block(config: &str) -> (String, String, String) {
     let marker = "value: |\n";
     let start = config.find(marker).expect("no `value: |` block") + marker.len();
-    let line_start = config[..start - marker.len()].rfind('\n').map_or(0, |i| i + 1);
+    let line_start = config[..start - marker.len()]
+        .rfind('\n')
+        .map_or(0, |i| i + 1);
     let marker_indent = start - marker.len() - line_start;
     let rest = &config[start..];
     let mut end = 0;
@@ -178,7 +218,11 @@ pub fn policy_block(config: &str) -> (String, String, String) {
         }
         end += line.len();
     }
-    (config[..start].to_string(), rest[..end].to_string(), rest[end..].to_string())
+    (
+        config[..start].to_string(),
+        rest[..end].to_string(),
+        rest[end..].to_string(),
+    )
 }
 
 /// Value of a Prometheus series (`name{labels}` exactly as printed, or a bare name, which also

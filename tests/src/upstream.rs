@@ -219,9 +219,13 @@ async fn serve(listener: StdTcpListener, state: Arc<State>, mut shutdown: onesho
                 let state = Arc::clone(&state);
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| handle(req, Arc::clone(&state)));
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                    // HTTP/1.1 and h2c (prior knowledge) on one port, so it can also stand in
+                    // for the limiter, which Envoy reaches over h2c.
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
                 });
             }
         }

@@ -69,7 +69,8 @@ fn transfer(tenant: &str) -> RequestSpec {
 fn prometheus_value(envoy: &Envoy, metric: &str) -> u64 {
     let text = envoy.stats_prometheus();
     assert!(
-        text.lines().any(|l| l.starts_with(metric.split('{').next().unwrap_or(metric))),
+        text.lines()
+            .any(|l| l.starts_with(metric.split('{').next().unwrap_or(metric))),
         "no {metric} in /stats/prometheus:\n{text}"
     );
     tollgate::prometheus_value(&text, metric) as u64
