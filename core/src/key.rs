@@ -135,9 +135,9 @@ fn is_valid_part(part: &str) -> bool {
 pub fn is_valid_policy_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
-        && name.bytes().all(|b| {
-            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_')
-        })
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_'))
 }
 
 /// The Redis Cluster hash tag of a key: its first part. All of one tenant's buckets (when the
