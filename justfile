@@ -28,7 +28,7 @@ up store="memory": build-wasm build-limiter
     elif [ "{{store}}" != "memory" ]; then
       echo "store must be memory or redis" >&2; exit 2
     fi
-    target/release/tollgate-limiter --policies policies/payments-global.json "${redis_args[@]}" > target/demo-limiter.log 2>&1 &
+    target/debug/tollgate-limiter --policies policies/payments-global.json "${redis_args[@]}" > target/demo-limiter.log 2>&1 &
     pids+=($!)
     for _ in $(seq 50); do curl -sf localhost:8081/healthz >/dev/null 2>&1 && break; sleep 0.1; done
     echo "tollgate demo ({{store}} store): Envoy on http://127.0.0.1:10000, admin :9901, limiter :8081 (/metrics). Try:"
@@ -47,9 +47,9 @@ demo-local: build-wasm
     @echo "  curl -si -X POST -H 'host: api.example.com' -H 'x-tenant-id: acme' localhost:10000/payments/transfers"
     envoy -c envoy/local.yaml --concurrency 4 --disable-hot-restart -l warn
 
-# Build the limiter service (release).
+# Build the limiter service (debug profile: builds fast, plenty for a demo; benchmarks use release).
 build-limiter:
-    cargo build --release -p tollgate-limiter
+    cargo build -p tollgate-limiter
 
 # Formatting and lints (native and wasm32; unwrap/expect/panic denied outside tests).
 lint:
