@@ -93,7 +93,7 @@ struct PolicyMetrics {
     tokens_granted: Option<u32>,
     tokens_returned: Option<u32>,
     tokens_expired: Option<u32>,
-    limiter_unavailable: Option<u32>,
+    lease_unavailable: Option<u32>,
     invalid_policy: Option<u32>,
 }
 
@@ -164,7 +164,7 @@ impl Metrics {
                     tokens_granted: per("tokens_granted", &p.name),
                     tokens_returned: per("tokens_returned", &p.name),
                     tokens_expired: per("tokens_expired", &p.name),
-                    limiter_unavailable: per("limiter_unavailable", &p.name),
+                    lease_unavailable: per("lease_unavailable", &p.name),
                     invalid_policy: per("invalid_policy", &p.name),
                 })
                 .collect(),
@@ -219,7 +219,7 @@ impl Metrics {
             LeaseEvent::Granted(n) => bump(c.tokens_granted, n),
             LeaseEvent::Returned(n) => bump(c.tokens_returned, n),
             LeaseEvent::Expired(n) => bump(c.tokens_expired, n),
-            LeaseEvent::Unavailable => bump(c.limiter_unavailable, 1),
+            LeaseEvent::Unavailable => bump(c.lease_unavailable, 1),
             LeaseEvent::InvalidPolicy => bump(c.invalid_policy, 1),
         }
     }

@@ -108,7 +108,7 @@ const METRICS: &[(&str, Kind, &[&str], Source)] = &[
         Source::Filter,
     ),
     (
-        "tollgate_limiter_unavailable",
+        "tollgate_lease_unavailable",
         Kind::Counter,
         &["policy"],
         Source::Filter,

@@ -416,7 +416,7 @@ async fn faults(mode: Mode) {
     assert!(
         metric(
             &envoy,
-            "tollgate_limiter_unavailable{policy=\"per-tenant\"}"
+            "tollgate_lease_unavailable{policy=\"per-tenant\"}"
         ) >= 3
     );
 
