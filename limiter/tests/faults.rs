@@ -229,6 +229,40 @@ async fn paused_redis_is_unavailable_within_the_timeout_then_recovers() {
     limiter.shutdown().await;
 }
 
+/// A connection that silently stops answering (no reset, no close: a vanished peer or a
+/// partition) would time out every call forever; the store notices the silence and opens a
+/// new connection, so decisions resume without anyone restarting anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silently_dead_connection_is_replaced() {
+    let redis = RedisServer::start();
+    let proxy = BlackholeProxy::start(SocketAddr::from(([127, 0, 0, 1], redis.port()))).await;
+    let mut config = config(StoreConfig::Redis(format!("redis://{}", proxy.addr())));
+    config.store_timeout = Duration::from_millis(50);
+    let limiter = start_with(config).await;
+    let addr = limiter.addr();
+    let key = unique("silent");
+    assert_eq!(lease_once(addr, "hundred", &key, 1).await, Some(1));
+
+    proxy.blackhole_existing();
+    let silenced = Instant::now();
+    let mut unavailable = 0;
+    let recovered = loop {
+        match lease_once(addr, "tenant", &unique("probe"), 1).await {
+            Some(_) => break silenced.elapsed(),
+            None => unavailable += 1,
+        }
+        assert!(
+            silenced.elapsed()
+                < tollgate_limiter::store::single::RECONNECT_AFTER + Duration::from_secs(5),
+            "still UNAVAILABLE; the silent connection was never replaced"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!("silent connection replaced: decisions again after {recovered:?} ({unavailable} UNAVAILABLE)");
+    assert!(recovered >= tollgate_limiter::store::single::RECONNECT_AFTER);
+    limiter.shutdown().await;
+}
+
 /// One answer of the traffic loop.
 #[derive(Debug, Clone)]
 struct Sample {

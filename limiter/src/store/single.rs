@@ -6,8 +6,15 @@
 //! `FCALL` of the `tollgate_v1` library; when Redis answers that the function does not exist
 //! (restarted without persistence, `FUNCTION FLUSH`), the library is loaded again and the call
 //! retried once, so no decision is lost to it.
+//!
+//! The manager only reconnects when the connection reports an error. A connection that just
+//! stops answering (a peer that vanished without a reset, a partition) reports nothing: every
+//! call would time out forever. So the store watches for that: when a call has waited longer
+//! than [`RECONNECT_AFTER`] with no answer of any kind since, the connection is replaced.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, Value};
@@ -19,12 +26,66 @@ use super::{LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreErro
 /// store timeout).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long the oldest unanswered call may wait before the connection is replaced.
+pub const RECONNECT_AFTER: Duration = Duration::from_secs(3);
+
+/// Detects a connection that stopped answering: remembers when the oldest call still waiting
+/// for an answer started; any answer clears it.
+#[derive(Debug)]
+struct Watchdog {
+    epoch: Instant,
+    /// Milliseconds since `epoch` (+1, so 0 means "nothing waiting").
+    oldest_waiting: AtomicU64,
+}
+
+impl Watchdog {
+    fn new() -> Self {
+        Self {
+            epoch: Instant::now(),
+            oldest_waiting: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1)
+    }
+
+    /// A call starts; whether the connection has been silent too long.
+    fn call_starts(&self, after: Duration) -> bool {
+        let now = self.now();
+        let _ = self
+            .oldest_waiting
+            .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+        let oldest = self.oldest_waiting.load(Ordering::Acquire);
+        let after = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
+        oldest != 0 && now.saturating_sub(oldest) > after
+    }
+
+    /// The server answered (anything, even an error reply): the connection is alive.
+    fn answered(&self) {
+        self.oldest_waiting.store(0, Ordering::Release);
+    }
+}
+
 /// A single Redis server.
 pub struct RedisStore {
-    conn: ConnectionManager,
+    client: redis::Client,
+    conn: RwLock<ConnectionManager>,
+    watchdog: Watchdog,
     address: String,
     settings: StoreSettings,
     reloader: Reloader,
+}
+
+fn connection_config() -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(None)
+        .set_min_delay(Duration::from_millis(20))
+        .set_max_delay(Duration::from_millis(500))
+        .set_number_of_retries(6)
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -43,20 +104,39 @@ impl RedisStore {
         let client = redis::Client::open(url)
             .map_err(|e| StoreError::Config(format!("redis URL `{url}`: {e}")))?;
         let address = client.get_connection_info().addr().to_string();
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(None)
-            .set_min_delay(Duration::from_millis(20))
-            .set_max_delay(Duration::from_millis(500))
-            .set_number_of_retries(6);
-        let conn = ConnectionManager::new_lazy_with_config(client, config)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), connection_config())
             .map_err(|e| StoreError::Config(format!("redis `{address}`: {e}")))?;
         Ok(Self {
-            conn,
+            client,
+            conn: RwLock::new(conn),
+            watchdog: Watchdog::new(),
             address,
             settings,
             reloader: Reloader::default(),
         })
+    }
+
+    /// The connection to use for the next call, replaced first if it has gone silent.
+    fn connection(&self) -> ConnectionManager {
+        if self.watchdog.call_starts(RECONNECT_AFTER) {
+            match ConnectionManager::new_lazy_with_config(self.client.clone(), connection_config())
+            {
+                Ok(fresh) => {
+                    tracing::warn!(node = %self.address, after = ?RECONNECT_AFTER,
+                        "no answer from Redis; replacing the connection");
+                    match self.conn.write() {
+                        Ok(mut conn) => *conn = fresh,
+                        Err(poisoned) => *poisoned.into_inner() = fresh,
+                    }
+                }
+                Err(e) => tracing::warn!(node = %self.address, error = %e, "cannot reconnect"),
+            }
+            self.watchdog.answered();
+        }
+        match self.conn.read() {
+            Ok(conn) => conn.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
     }
 
     /// `host:port` of the server.
@@ -65,10 +145,14 @@ impl RedisStore {
     }
 
     async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
-        let mut conn = self.conn.clone();
-        cmd.query_async::<Value>(&mut conn)
-            .await
-            .and_then(Value::extract_error)
+        let mut conn = self.connection();
+        let result = cmd.query_async::<Value>(&mut conn).await;
+        // A reply, even an error reply, proves the connection is alive; transport errors
+        // are the manager's to handle.
+        if !matches!(&result, Err(e) if e.is_io_error()) {
+            self.watchdog.answered();
+        }
+        result.and_then(Value::extract_error)
     }
 
     /// Loads (or replaces) the `tollgate_v1` library.
@@ -130,5 +214,25 @@ impl Store for RedisStore {
 
     fn kind(&self) -> &'static str {
         "redis"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watchdog_fires_only_after_a_long_silence() {
+        let w = Watchdog::new();
+        let after = Duration::from_millis(30);
+        assert!(!w.call_starts(after));
+        assert!(!w.call_starts(after), "a second call while the first waits");
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(w.call_starts(after), "the oldest call waited too long");
+        w.answered();
+        assert!(!w.call_starts(after), "an answer resets it");
+        std::thread::sleep(Duration::from_millis(40));
+        w.answered();
+        assert!(!w.call_starts(after), "idle time is not silence");
     }
 }

@@ -191,3 +191,81 @@ pub fn granted(v: &Value) -> u64 {
         .as_u64()
         .unwrap_or_else(|| panic!("no grant in {v}"))
 }
+
+/// A TCP proxy on 127.0.0.1 that can silently stop forwarding on the connections it already
+/// has ("blackhole": no reset, no close, bytes just vanish) while new connections still go
+/// through — a peer gone without a trace, which no socket error ever reports.
+pub struct BlackholeProxy {
+    addr: SocketAddr,
+    /// Connections accepted before this generation forward nothing.
+    frozen_below: std::sync::Arc<AtomicU64>,
+    generation: std::sync::Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl BlackholeProxy {
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let frozen_below = std::sync::Arc::new(AtomicU64::new(0));
+        let generation = std::sync::Arc::new(AtomicU64::new(0));
+        let (frozen, gen) = (frozen_below.clone(), generation.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                    continue;
+                };
+                let me = gen.fetch_add(1, Ordering::SeqCst);
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(pump(cr, sw, me, frozen.clone()));
+                tokio::spawn(pump(sr, cw, me, frozen.clone()));
+            }
+        });
+        Self {
+            addr,
+            frozen_below,
+            generation,
+            task,
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Every connection open now stops forwarding (silently); later ones work.
+    pub fn blackhole_existing(&self) {
+        self.frozen_below
+            .store(self.generation.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+impl Drop for BlackholeProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    me: u64,
+    frozen_below: std::sync::Arc<AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if me < frozen_below.load(Ordering::SeqCst) {
+            // Hold both sockets open and forward nothing, forever (until the test ends).
+            std::future::pending::<()>().await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
