@@ -72,8 +72,14 @@ mod cases {
     /// Idle time refills at most to capacity.
     pub async fn refill_is_capped(s: &impl Store) {
         let k = unique("refill");
+        let drained = std::time::Instant::now();
         assert_eq!(one(s, lease("a", "fast", &k, 10, 10)).await.granted, 10);
-        assert_eq!(one(s, lease("b", "fast", &k, 10, 10)).await.granted, 0);
+        let b = one(s, lease("b", "fast", &k, 10, 10)).await;
+        // At 1 token/ms the bucket is full again after 10 ms (a slow machine may get there).
+        assert!(
+            b.granted == 0 || drained.elapsed() >= Duration::from_millis(9),
+            "{b:?}"
+        );
         tokio::time::sleep(Duration::from_millis(60)).await;
         // 60+ ms at 1/ms would be 60 tokens; the bucket holds 10.
         let g = one(s, lease("c", "fast", &k, 1, 100)).await;

@@ -411,11 +411,18 @@ async fn policy_reload_keeps_the_last_good_document() {
         "the last good document stays"
     );
     assert_eq!(granted(&v), 20);
-    let (_, text) = get(addr, "/metrics").await;
-    assert!(
-        text.contains(r#"tollgate_limiter_policy_reloads_total{result="invalid"} 1"#),
-        "{text}"
-    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let (_, text) = get(addr, "/metrics").await;
+        if text.contains(r#"tollgate_limiter_policy_reloads_total{result="invalid"} 1"#) {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "invalid document never seen:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert!(
         text.contains(r#"tollgate_limiter_policy_reloads_total{result="ok"} 1"#),
         "{text}"
