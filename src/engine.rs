@@ -266,9 +266,12 @@ impl Engine {
         attempt: Attempt,
     ) -> Decision {
         let mut decision = Decision::new();
-        decision
-            .outcomes
-            .extend(plan.early_outcomes.iter().copied());
+        if attempt.round == 0 {
+            // Counted once, by the first decision of the request.
+            decision
+                .outcomes
+                .extend(plan.early_outcomes.iter().copied());
+        }
         if let Some(reply) = &plan.refused {
             decision.verdict = Verdict::Reply(reply.clone());
             return decision;

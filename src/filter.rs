@@ -340,13 +340,31 @@ impl HttpContext for Http {
                 wake = worker.queue(&decision);
             }
         }
-        if wake {
-            if let Some(queue) = configured.queue {
-                let _ = hostcalls::enqueue_shared_queue(queue, Some(b"w"));
+        let woken = wake
+            && configured
+                .queue
+                .is_some_and(|queue| hostcalls::enqueue_shared_queue(queue, Some(b"w")).is_ok());
+        if decision.verdict == Verdict::Wait && !woken {
+            // Nobody would dispatch the callout: decide now, as if the limiter were unavailable.
+            if let Ok(mut worker) = configured.worker.try_borrow_mut() {
+                worker.forget(self.context_id);
             }
+            decision = engine.decide(
+                &plan,
+                &HostSharedData,
+                now,
+                Attempt {
+                    round: 0,
+                    deadline_passed: true,
+                },
+            );
         }
         match &decision.verdict {
-            Verdict::Wait => Action::Pause,
+            Verdict::Wait => {
+                // Housekeeping of this first decision (expired leases); outcomes come when it ends.
+                configured.metrics.record(&decision);
+                Action::Pause
+            }
             Verdict::Reply(reply) => {
                 configured.metrics.record(&decision);
                 if send_reply(reply) {

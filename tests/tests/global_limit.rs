@@ -324,7 +324,7 @@ const MARGIN_MS: u64 = 150;
 
 /// Sends 20 requests for a fresh tenant during a fault and checks the failure mode's outcome
 /// and that none waited longer than the timeout plus the margin.
-async fn during_fault(port: u16, mode: Mode, tenant: &str, fault: &str) {
+async fn during_fault(envoy: &Envoy, port: u16, mode: Mode, tenant: &str, fault: &str) {
     let results = burst_detailed(port, 20, 4, Duration::from_secs(10), |i| item(tenant, i)).await;
     let mut counts = BTreeMap::new();
     for t in &results {
@@ -347,7 +347,17 @@ async fn during_fault(port: u16, mode: Mode, tenant: &str, fault: &str) {
         Mode::Closed => [(503, 20)].into(),
         Mode::Local => [(200, 10), (429, 10)].into(),
     };
-    assert_eq!(counts, expected, "{mode:?} during {fault}");
+    if counts != expected {
+        let stats = envoy.stats_prometheus();
+        let ours: Vec<&str> = stats
+            .lines()
+            .filter(|l| l.starts_with("tollgate_"))
+            .collect();
+        panic!(
+            "{mode:?} during {fault}: {counts:?}, expected {expected:?}\n{}",
+            ours.join("\n")
+        );
+    }
 }
 
 /// After a fault clears (and the filter's outage backoff of 500 ms passes), requests are
@@ -394,7 +404,7 @@ async fn faults(mode: Mode) {
     // 1. The limiter is stopped.
     limiter.kill();
     let before = counted(&envoy, mode);
-    during_fault(port, mode, "t-stopped", "limiter stopped").await;
+    during_fault(&envoy, port, mode, "t-stopped", "limiter stopped").await;
     assert!(
         counted(&envoy, mode) > before,
         "{mode:?}: outcome not counted"
@@ -404,26 +414,28 @@ async fn faults(mode: Mode) {
 
     // 2. Redis is paused: the limiter answers 503 UNAVAILABLE within its store timeout.
     redis.pause();
-    during_fault(port, mode, "t-redis", "redis paused").await;
+    during_fault(&envoy, port, mode, "t-redis", "redis paused").await;
     redis.resume();
     recovers(&envoy, port, "t-redis", "redis paused").await;
 
     // 3. The limiter is too slow (paused: it accepts nothing, answers nothing).
     limiter.pause();
-    during_fault(port, mode, "t-slow", "limiter slow").await;
+    during_fault(&envoy, port, mode, "t-slow", "limiter slow").await;
     limiter.resume();
     recovers(&envoy, port, "t-slow", "limiter slow").await;
-    assert!(
-        metric(
-            &envoy,
-            "tollgate_lease_unavailable{policy=\"per-tenant\"}"
-        ) >= 3
-    );
+    assert!(metric(&envoy, "tollgate_lease_unavailable{policy=\"per-tenant\"}") >= 3);
 
     // 4. The limiter answers garbage (a stand-in HTTP server on the limiter's cluster).
     let garbage = Upstream::with_handler(|_| MockResponse::new(200, "<html>not a lease</html>"));
     let (envoy2, port2) = start_envoy(&policy, &upstream, garbage.port(), 1);
-    during_fault(port2, mode, "t-garbage", "limiter answering garbage").await;
+    during_fault(
+        &envoy2,
+        port2,
+        mode,
+        "t-garbage",
+        "limiter answering garbage",
+    )
+    .await;
     assert!(garbage.requests() >= 1);
     assert!(metric(&envoy2, "tollgate_callouts_failed") >= 1);
 }
