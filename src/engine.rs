@@ -188,19 +188,6 @@ pub struct Engine {
     table: SlotTable,
 }
 
-/// Problems that make a valid policy document unusable by the filter.
-pub fn check_supported(policies: &Policies) -> Result<(), String> {
-    if let Some(limiter) = &policies.limiter {
-        if limiter.timeout.0 > 10_000 {
-            return Err(
-                "limiter.timeout: requests wait for the limiter up to this long; keep it under 10s"
-                    .into(),
-            );
-        }
-    }
-    Ok(())
-}
-
 impl Engine {
     pub fn new(policies: Policies, table: SlotTable) -> Self {
         Self { policies, table }

@@ -3,7 +3,7 @@
 //! return `Result`; the SDK's trait helpers unwrap, and a panic would kill the worker's VM).
 //! The root context owns the worker's callouts (see `worker`).
 
-use crate::engine::{check_supported, Attempt, Engine, Verdict, SHARED_PREFIX};
+use crate::engine::{Attempt, Engine, Verdict, SHARED_PREFIX};
 use crate::global::DEADLINE_MARGIN_MS;
 use crate::metrics::Metrics;
 use crate::request::{RequestFacts, RequestSource};
@@ -49,7 +49,6 @@ impl Root {
             .map_err(|status| format!("cannot read plugin configuration: {status:?}"))?
             .ok_or("plugin configuration is empty: pass the policy document as `configuration`")?;
         let policies = Policies::from_json(&bytes).map_err(|errors| errors.to_string())?;
-        check_supported(&policies)?;
         let seed = now_nanos() ^ u64::from(self.context_id).rotate_left(32);
         let table = SlotTable::open(
             &HostSharedData,

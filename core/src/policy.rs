@@ -581,11 +581,11 @@ fn compile(document: PolicyDocument, version: String) -> Result<Policies, Policy
                     "must name the Envoy cluster of the limiter",
                 );
             }
-            if limiter.timeout.0 == 0 || limiter.timeout.0 > 60_000 {
+            if limiter.timeout.0 == 0 || limiter.timeout.0 > 10_000 {
                 errors.push(
                     None,
                     "limiter.timeout".into(),
-                    "must be between 1ms and 60s",
+                    "must be between 1ms and 10s (requests wait for the limiter up to this long)",
                 );
             }
             if limiter.authority.trim().is_empty() {
