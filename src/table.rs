@@ -1,13 +1,16 @@
-//! The local stage's bucket table: a fixed number of slots in proxy-wasm shared data, created
-//! up front, so shared-data memory is bounded by configuration whatever the key cardinality.
+//! The table of per-key state: a fixed number of slots in proxy-wasm shared data, created up
+//! front, so shared-data memory is bounded by configuration whatever the key cardinality.
 //!
-//! A bucket id hashes (keyed by a per-process salt, so clients cannot aim at each other's slots)
-//! to a run of [`PROBES`] slots; the bucket lives in the first slot holding its id, else it takes
-//! the first slot that is empty or whose bucket is full again (a full bucket is the same as no
-//! bucket, so that eviction loses nothing). When every probe holds a live bucket the table is
-//! full and the caller applies the policy's failure mode; another tenant's slot is never shared.
+//! Slots come in groups of [`GROUP_SLOTS`], one shared-data value per group. A key hashes (keyed
+//! by a per-process salt, so clients cannot aim at each other's slots) to one group and lives in
+//! the slot of that group holding its id; a new key takes an empty slot, else the slot whose
+//! record has been idle longest (an idle record equals a fresh one, so eviction loses nothing).
+//! When every slot of the group holds a live record the table is full and the caller applies the
+//! policy's failure mode; another key's slot is never shared. Keeping all of a key's candidate
+//! slots under one CAS stamp means two workers inserting the same new key at once cannot put it
+//! in two places: one of them loses the CAS and finds the other's record.
 //!
-//! Updates are compare-and-swap per slot with a bounded number of attempts. Several records
+//! Updates are compare-and-swap per group with a bounded number of attempts. Several records
 //! (several policies on one request) change all-or-nothing in one [`SlotTable::transact`]: all
 //! are read and decided first, an aborted decision writes nothing, and a lost race while writing
 //! refunds what was already written before trying again.
@@ -19,19 +22,20 @@ use crate::shared::{SharedData, WriteError};
 use sha2::{Digest, Sha256};
 use tollgate_core::bucket::BucketState;
 
-/// Slots examined per bucket id.
-pub const PROBES: u32 = 4;
+/// Slots per group: the places one key may live, under one CAS stamp.
+pub const GROUP_SLOTS: usize = 4;
 /// Attempts at a CAS transaction before giving up with [`TableError::Contended`].
 pub const MAX_ATTEMPTS: u32 = 8;
 
-const TAG_EMPTY: u8 = 0;
 /// Version tag of the record encoding; other tags read as empty.
 const TAG_RECORD: u8 = 2;
+/// Version tag of a group of slots.
+const TAG_GROUP: u8 = 3;
 
 /// Why the table could not decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TableError {
-    /// Every probe slot of a key holds another live record.
+    /// Every slot of a key's group holds another live record.
     Full,
     /// Other workers kept winning the CAS race.
     Contended,
@@ -189,27 +193,73 @@ pub struct Transacted<T> {
     pub evictions: u32,
 }
 
-/// A slot chosen for one key within a transaction.
+/// One group of slots as read, with its CAS stamp.
 #[derive(Debug, Clone)]
-struct Choice {
-    slot: u32,
+struct Group {
+    index: u32,
     cas: u32,
-    record: Record,
+    slots: Vec<Option<Record>>,
+}
+
+/// Where a transaction's key lives: group (index into the transaction's groups) and slot.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    group: usize,
+    slot: usize,
     evicts: bool,
+}
+
+fn encode_group(slots: &[Option<Record>]) -> Vec<u8> {
+    let mut out = vec![TAG_GROUP];
+    for slot in slots {
+        match slot {
+            Some(record) => {
+                let bytes = encode(record);
+                let len = u16::try_from(bytes.len()).unwrap_or(0);
+                out.extend_from_slice(&len.to_le_bytes());
+                if len > 0 {
+                    out.extend_from_slice(&bytes);
+                }
+            }
+            None => out.extend_from_slice(&0u16.to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// The slots of a group; anything unreadable reads as empty slots.
+fn decode_group(bytes: &[u8]) -> Vec<Option<Record>> {
+    let mut slots = vec![None; GROUP_SLOTS];
+    let Some((&TAG_GROUP, mut rest)) = bytes.split_first() else {
+        return slots;
+    };
+    for slot in slots.iter_mut() {
+        let Some(len) = rest.get(..2).and_then(|l| <[u8; 2]>::try_from(l).ok()) else {
+            break;
+        };
+        let len = usize::from(u16::from_le_bytes(len));
+        let Some(entry) = rest.get(2..2 + len) else {
+            break;
+        };
+        *slot = decode(entry);
+        rest = rest.get(2 + len..).unwrap_or_default();
+    }
+    slots
 }
 
 /// The table, as configured. Cheap to clone; holds no shared-data state itself.
 #[derive(Debug, Clone)]
 pub struct SlotTable {
     prefix: String,
-    slots: u32,
+    groups: u32,
     salt: Vec<u8>,
 }
 
 impl SlotTable {
-    /// Opens the table under `prefix`, creating the salt and every slot that does not exist yet.
-    /// Creation never overwrites: it writes with a CAS stamp no live key carries at start-up, so
-    /// a slot another worker created (and maybe used) in the meantime is left alone.
+    /// Opens the table under `prefix` with room for `slots` records (rounded up to whole
+    /// groups), creating the salt and every group that does not exist yet. Creation never
+    /// overwrites: it writes with a CAS stamp no live key carries at start-up, so a group another
+    /// worker created (and maybe used) in the meantime is left alone.
     pub fn open(
         store: &impl SharedData,
         prefix: &str,
@@ -222,19 +272,22 @@ impl SlotTable {
             Ok((Some(salt), _)) => salt,
             _ => return Err(TableError::Host),
         };
+        let per_group = GROUP_SLOTS as u32;
         let table = Self {
             prefix: prefix.to_string(),
-            slots: slots.max(1),
+            groups: slots.max(1).div_ceil(per_group),
             salt,
         };
-        for slot in 0..table.slots {
-            create_if_absent(store, &table.slot_key(slot), &[TAG_EMPTY])?;
+        let empty = encode_group(&vec![None; GROUP_SLOTS]);
+        for group in 0..table.groups {
+            create_if_absent(store, &table.group_key(group), &empty)?;
         }
         Ok(table)
     }
 
+    /// Records the table can hold.
     pub fn slots(&self) -> u32 {
-        self.slots
+        self.groups * GROUP_SLOTS as u32
     }
 
     /// The per-process salt (also a source of uniqueness for ids this instance makes).
@@ -242,11 +295,11 @@ impl SlotTable {
         &self.salt
     }
 
-    fn slot_key(&self, slot: u32) -> String {
-        format!("{}slot/{slot}", self.prefix)
+    fn group_key(&self, group: u32) -> String {
+        format!("{}group/{group}", self.prefix)
     }
 
-    fn home(&self, id: &str) -> u32 {
+    fn group_of(&self, id: &str) -> u32 {
         let mut hasher = Sha256::new();
         hasher.update(&self.salt);
         hasher.update(id.as_bytes());
@@ -255,70 +308,69 @@ impl SlotTable {
         for (dst, src) in first.iter_mut().zip(digest.iter()) {
             *dst = *src;
         }
-        (u64::from_le_bytes(first) % u64::from(self.slots)) as u32
+        (u64::from_le_bytes(first) % u64::from(self.groups)) as u32
     }
 
-    fn read(
-        &self,
-        store: &impl SharedData,
-        slot: u32,
-    ) -> Result<(Option<Record>, u32), TableError> {
-        let key = self.slot_key(slot);
-        let (value, cas) = store.get(&key).map_err(|_| TableError::Host)?;
-        match (value, cas) {
-            (Some(bytes), Some(cas)) => Ok((decode(&bytes), cas)),
-            // A present key with an empty value (what a shared-data "remove" leaves): empty slot.
-            (None, Some(cas)) => Ok((None, cas)),
-            (_, None) => {
-                // Created at open; only a host that lost it gets here. Recreate, then re-read.
-                create_if_absent(store, &key, &[TAG_EMPTY])?;
-                match store.get(&key).map_err(|_| TableError::Host)? {
-                    (Some(bytes), Some(cas)) => Ok((decode(&bytes), cas)),
-                    (None, Some(cas)) => Ok((None, cas)),
-                    _ => Err(TableError::Host),
-                }
-            }
+    fn read(&self, store: &impl SharedData, index: u32) -> Result<Group, TableError> {
+        let key = self.group_key(index);
+        if let Some(group) = self.try_read(store, &key, index)? {
+            return Ok(group);
         }
+        // Created at open; only a host that lost it gets here. Recreate, then re-read.
+        create_if_absent(store, &key, &encode_group(&vec![None; GROUP_SLOTS]))?;
+        self.try_read(store, &key, index)?.ok_or(TableError::Host)
     }
 
-    fn choose(
+    fn try_read(
         &self,
         store: &impl SharedData,
+        key: &str,
+        index: u32,
+    ) -> Result<Option<Group>, TableError> {
+        Ok(match store.get(key).map_err(|_| TableError::Host)? {
+            (Some(bytes), Some(cas)) => Some(Group {
+                index,
+                cas,
+                slots: decode_group(&bytes),
+            }),
+            // A present key with an empty value (what a shared-data "remove" leaves).
+            (None, Some(cas)) => Some(Group {
+                index,
+                cas,
+                slots: vec![None; GROUP_SLOTS],
+            }),
+            (_, None) => None,
+        })
+    }
+
+    /// The slot of `group` for `id`: its own, else an empty one, else the one idle longest.
+    fn place(
+        group: &Group,
         id: &str,
-        taken: &[Choice],
+        taken: &[usize],
         now_ms: u64,
-    ) -> Result<Choice, TableError> {
-        let home = self.home(id);
-        let mut candidate: Option<Choice> = None;
-        for probe in 0..PROBES.min(self.slots) {
-            let slot = (home + probe) % self.slots;
-            if taken.iter().any(|c| c.slot == slot) {
-                continue;
-            }
-            let (record, cas) = self.read(store, slot)?;
-            match record {
-                Some(record) if record.id == id => {
-                    return Ok(Choice {
-                        slot,
-                        cas,
-                        record,
-                        evicts: false,
-                    });
-                }
-                Some(record) if record.evictable_at_ms > now_ms => {}
-                other => {
-                    if candidate.is_none() {
-                        candidate = Some(Choice {
-                            slot,
-                            cas,
-                            record: Record::fresh(id),
-                            evicts: other.is_some(),
-                        });
-                    }
-                }
-            }
+    ) -> Result<(usize, bool), TableError> {
+        if let Some(slot) = group
+            .slots
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|r| r.id == id))
+        {
+            return Ok((slot, false));
         }
-        candidate.ok_or(TableError::Full)
+        let free = |slot: &usize| !taken.contains(slot);
+        if let Some(slot) = (0..group.slots.len())
+            .filter(free)
+            .find(|s| group.slots.get(*s).is_some_and(Option::is_none))
+        {
+            return Ok((slot, false));
+        }
+        (0..group.slots.len())
+            .filter(free)
+            .filter_map(|s| Some((s, group.slots.get(s)?.as_ref()?.evictable_at_ms)))
+            .filter(|(_, at)| *at <= now_ms)
+            .min_by_key(|(_, at)| *at)
+            .map(|(slot, _)| (slot, true))
+            .ok_or(TableError::Full)
     }
 
     /// Reads the records of `ids` (fresh ones for keys without a slot), lets `decide` change
@@ -334,12 +386,37 @@ impl SlotTable {
         refund: impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<Transacted<T>, TableError> {
         for _ in 0..MAX_ATTEMPTS {
-            let mut choices: Vec<Choice> = Vec::with_capacity(ids.len());
+            let mut groups: Vec<Group> = Vec::new();
+            let mut places: Vec<Place> = Vec::with_capacity(ids.len());
+            let mut before: Vec<Record> = Vec::with_capacity(ids.len());
             for id in ids {
-                let choice = self.choose(store, id, &choices, now_ms)?;
-                choices.push(choice);
+                let index = self.group_of(id);
+                let group = match groups.iter().position(|g| g.index == index) {
+                    Some(group) => group,
+                    None => {
+                        groups.push(self.read(store, index)?);
+                        groups.len() - 1
+                    }
+                };
+                let taken: Vec<usize> = places
+                    .iter()
+                    .filter(|p| p.group == group)
+                    .map(|p| p.slot)
+                    .collect();
+                let g = groups.get(group).ok_or(TableError::Host)?;
+                let (slot, evicts) = Self::place(g, id, &taken, now_ms)?;
+                let record = match g.slots.get(slot) {
+                    Some(Some(record)) if record.id == *id => record.clone(),
+                    _ => Record::fresh(id),
+                };
+                places.push(Place {
+                    group,
+                    slot,
+                    evicts,
+                });
+                before.push(record);
             }
-            let mut records: Vec<Record> = choices.iter().map(|c| c.record.clone()).collect();
+            let mut records = before.clone();
             let value = match decide(&mut records) {
                 Txn::Abort(value) => {
                     return Ok(Transacted {
@@ -350,7 +427,7 @@ impl SlotTable {
                 }
                 Txn::Commit(value) => value,
             };
-            match self.write_all(store, &choices, &records, &refund) {
+            match self.write_all(store, &groups, &places, &before, &records, &refund) {
                 Ok(evictions) => {
                     return Ok(Transacted {
                         value,
@@ -368,56 +445,82 @@ impl SlotTable {
     fn write_all(
         &self,
         store: &impl SharedData,
-        choices: &[Choice],
+        groups: &[Group],
+        places: &[Place],
+        before: &[Record],
         records: &[Record],
         refund: &impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<u32, WriteError> {
         let mut evictions = 0;
         let mut written: Vec<usize> = Vec::new();
-        for (index, (choice, record)) in choices.iter().zip(records).enumerate() {
-            if *record == choice.record {
+        for (index, group) in groups.iter().enumerate() {
+            let mut slots = group.slots.clone();
+            let mut changed = false;
+            for ((place, old), new) in places.iter().zip(before).zip(records) {
+                if place.group != index || old == new {
+                    continue;
+                }
+                if let Some(slot) = slots.get_mut(place.slot) {
+                    *slot = Some(new.clone());
+                    changed = true;
+                    if place.evicts {
+                        evictions += 1;
+                    }
+                }
+            }
+            if !changed {
                 continue;
             }
             if let Err(error) = store.set(
-                &self.slot_key(choice.slot),
-                &encode(record),
-                Some(choice.cas),
+                &self.group_key(group.index),
+                &encode_group(&slots),
+                Some(group.cas),
             ) {
                 for &undo in &written {
-                    if let (Some(choice), Some(after)) = (choices.get(undo), records.get(undo)) {
-                        self.refund_one(store, choice, after, |current| {
-                            refund(undo, &choice.record, after, current)
-                        });
-                    }
+                    self.refund_group(store, groups, undo, places, before, records, refund);
                 }
                 return Err(error);
             }
             written.push(index);
-            if choice.evicts {
-                evictions += 1;
-            }
         }
         Ok(evictions)
     }
 
-    /// Applies `undo` to the slot's current record (if it still holds the same key), within the
-    /// attempt bound: a record that moved on keeps its state.
-    fn refund_one(
+    /// Undoes, on the current value of an already written group, the changes of the items that
+    /// live in it (within the attempt bound: records that moved on keep their state).
+    #[allow(clippy::too_many_arguments)]
+    fn refund_group(
         &self,
         store: &impl SharedData,
-        choice: &Choice,
-        after: &Record,
-        undo: impl Fn(&mut Record),
+        groups: &[Group],
+        group: usize,
+        places: &[Place],
+        before: &[Record],
+        records: &[Record],
+        refund: &impl Fn(usize, &Record, &Record, &mut Record),
     ) {
+        let Some(index) = groups.get(group).map(|g| g.index) else {
+            return;
+        };
         for _ in 0..MAX_ATTEMPTS {
-            let Ok((Some(mut current), cas)) = self.read(store, choice.slot) else {
+            let Ok(mut current) = self.read(store, index) else {
                 return;
             };
-            if current.id != after.id {
-                return;
+            for (item, ((place, old), new)) in places.iter().zip(before).zip(records).enumerate() {
+                if place.group != group || old == new {
+                    continue;
+                }
+                if let Some(Some(record)) = current.slots.get_mut(place.slot) {
+                    if record.id == new.id {
+                        refund(item, old, new, record);
+                    }
+                }
             }
-            undo(&mut current);
-            match store.set(&self.slot_key(choice.slot), &encode(&current), Some(cas)) {
+            match store.set(
+                &self.group_key(index),
+                &encode_group(&current.slots),
+                Some(current.cas),
+            ) {
                 Err(WriteError::CasMismatch) => continue,
                 _ => return,
             }

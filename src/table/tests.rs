@@ -85,7 +85,7 @@ fn open(store: &MemorySharedData, slots: u32) -> SlotTable {
 fn open_creates_every_slot_once_and_never_overwrites() {
     let store = MemorySharedData::default();
     let table = open(&store, 64);
-    assert_eq!(store.entries(), 65); // 64 slots + salt
+    assert_eq!(store.entries(), 17); // 16 groups of 4 slots + salt
     let l = limits(5);
     let charge = [Charge {
         bucket_id: "p:a",
@@ -95,7 +95,7 @@ fn open_creates_every_slot_once_and_never_overwrites() {
     assert!(table.charge(&store, &charge, 0).unwrap().allowed);
     // A second worker opening the same table keeps the live bucket.
     let again = open(&store, 64);
-    assert_eq!(store.entries(), 65);
+    assert_eq!(store.entries(), 17);
     let charged = again.charge(&store, &charge, 0).unwrap();
     assert!(!charged.allowed, "the bucket was reset by a second open");
 }
@@ -158,6 +158,11 @@ fn lost_race_is_retried_and_refunds_partial_writes() {
     let store = MemorySharedData::default();
     let table = open(&store, 64);
     let l = limits(10);
+    // Two buckets in different groups, so the first one's write has to be refunded.
+    let second = (0..)
+        .map(|n| format!("b:{n}"))
+        .find(|id| table.group_of(id) != table.group_of("a:x"))
+        .unwrap();
     let both = [
         Charge {
             bucket_id: "a:x",
@@ -165,24 +170,29 @@ fn lost_race_is_retried_and_refunds_partial_writes() {
             cost: 1,
         },
         Charge {
-            bucket_id: "b:x",
+            bucket_id: &second,
             limits: &l,
             cost: 1,
         },
     ];
     assert!(table.charge(&store, &both, 0).unwrap().allowed);
     // Make the write of the second bucket lose one race.
-    let second_slot = (0..64)
-        .map(|s| table.slot_key(s))
-        .find(|k| {
-            let (v, _) = store.get(k).unwrap();
-            v.and_then(|v| decode(&v)).is_some_and(|r| r.id == "b:x")
-        })
-        .unwrap();
-    store.interfere_once.replace(Some(second_slot));
+    let holding = |id: &str| {
+        (0..table.groups)
+            .map(|g| table.group_key(g))
+            .find(|k| {
+                let (v, _) = store.get(k).unwrap();
+                decode_group(&v.unwrap())
+                    .iter()
+                    .flatten()
+                    .any(|r| r.id == id)
+            })
+            .unwrap()
+    };
+    store.interfere_once.replace(Some(holding(&second)));
     assert!(table.charge(&store, &both, 0).unwrap().allowed);
     // Each bucket was charged exactly twice (the first attempt's write to `a:x` was refunded).
-    for id in ["a:x", "b:x"] {
+    for id in ["a:x", second.as_str()] {
         let one = [Charge {
             bucket_id: id,
             limits: &l,
@@ -223,8 +233,8 @@ fn keys_never_share_a_slot_and_memory_is_bounded() {
     // 16 slots hold 16 live buckets; every other tenant finds the table full.
     assert_eq!(allowed, 16);
     assert_eq!(full, 10_000 - 16);
-    assert_eq!(store.entries(), 17);
-    let per_slot = 1 + 2 + "p:9999".len() + FIXED_BYTES;
+    assert_eq!(store.entries(), 5); // 4 groups + salt
+    let per_slot = 2 + 1 + 2 + "p:9999".len() + FIXED_BYTES;
     assert!(
         store.bytes() <= bytes_before + 16 * per_slot,
         "{}",
@@ -236,26 +246,39 @@ fn keys_never_share_a_slot_and_memory_is_bounded() {
 fn full_buckets_are_evicted_without_loss() {
     let store = MemorySharedData::default();
     let table = open(&store, 16);
-    // 1 unit per ms: a bucket of 2 is full again 2 ms after use.
+    // 1 unit per ms: a bucket of 2 is full again 1 ms after taking 1.
     let l = Limits::new(1, 1, 2).unwrap();
-    for tenant in 0..16 {
-        let id = format!("p:{tenant}");
-        let charge = [Charge {
-            bucket_id: &id,
-            limits: &l,
-            cost: 1,
-        }];
-        let _ = table.charge(&store, &charge, 0);
+    let charge = |id: &str, now: u64| {
+        table.charge(
+            &store,
+            &[Charge {
+                bucket_id: id,
+                limits: &l,
+                cost: 1,
+            }],
+            now,
+        )
+    };
+    // Fill the table with live buckets (4 groups of 4).
+    let mut tenant = 0;
+    while (0..table.groups).any(|g| {
+        let (v, _) = store.get(&table.group_key(g)).unwrap();
+        decode_group(&v.unwrap()).iter().any(Option::is_none)
+    }) {
+        match charge(&format!("p:{tenant}"), 0) {
+            Ok(charged) => assert!(charged.allowed),
+            Err(TableError::Full) => {} // its group is full already; another tenant fills the rest
+            Err(e) => panic!("{e:?}"),
+        }
+        tenant += 1;
     }
-    let newcomer = [Charge {
-        bucket_id: "p:new",
-        limits: &l,
-        cost: 1,
-    }];
-    assert_eq!(table.charge(&store, &newcomer, 0), Err(TableError::Full));
-    let later = table.charge(&store, &newcomer, 5).unwrap();
+    assert_eq!(charge("p:new", 0), Err(TableError::Full));
+    // 1 ms later the buckets (1 of 2 units taken) are full again, and one gives way.
+    let later = charge("p:new", 5).unwrap();
     assert!(later.allowed);
     assert_eq!(later.evictions, 1);
+    // The newcomer now has its own slot: charging it again evicts nothing.
+    assert_eq!(charge("p:new", 5).unwrap().evictions, 0);
 }
 
 #[test]
@@ -312,7 +335,7 @@ fn hostile_ids_are_stored_and_compared_exactly() {
 #[test]
 fn corrupt_slots_read_as_empty() {
     assert_eq!(decode(&[]), None);
-    assert_eq!(decode(&[TAG_EMPTY]), None);
+    assert_eq!(decode(&[0]), None);
     assert_eq!(decode(&[TAG_RECORD, 200, 0, b'x']), None);
     // A record of an older layout (tag 1) reads as empty, never as garbage state.
     assert_eq!(decode(&[1, 1, 0, b'x', 0, 0, 0, 0, 0, 0, 0, 0]), None);
@@ -340,6 +363,11 @@ fn corrupt_slots_read_as_empty() {
     assert_eq!(decode(&encode(&record)), Some(record.clone()));
     let fresh = Record::fresh("q:k");
     assert_eq!(decode(&encode(&fresh)), Some(fresh));
+    // Groups round-trip, and garbage reads as empty slots.
+    let group = vec![Some(record.clone()), None, Some(Record::fresh("x")), None];
+    assert_eq!(decode_group(&encode_group(&group)), group);
+    assert_eq!(decode_group(b"garbage"), vec![None; GROUP_SLOTS]);
+    assert_eq!(decode_group(&[TAG_GROUP, 200, 0]), vec![None; GROUP_SLOTS]);
     // Truncated or extended encodings are rejected.
     let bytes = encode(&record);
     assert_eq!(decode(&bytes[..bytes.len() - 1]), None);
