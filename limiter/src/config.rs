@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use tollgate_core::duration::Millis;
 
 use crate::server::{ServerConfig, StoreConfig};
@@ -21,8 +21,16 @@ pub enum LogFormat {
 
 /// tollgate's limiter: owns every global bucket and leases tokens to the Envoy filter.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "tollgate-limiter", version)]
+#[command(
+    name = "tollgate-limiter",
+    version,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
 pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     /// Address to serve HTTP/1.1 and h2c on.
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
@@ -37,8 +45,8 @@ pub struct Cli {
     pub redis_cluster: Vec<String>,
 
     /// The policy document (the same JSON the filter is configured with); reloaded on change.
-    #[arg(long, env = "TOLLGATE_POLICIES")]
-    pub policies: PathBuf,
+    #[arg(long, env = "TOLLGATE_POLICIES", required = true)]
+    pub policies: Option<PathBuf>,
 
     /// How long a granted lease may be spent (its `expires_ms`).
     #[arg(long, env = "TOLLGATE_LEASE_TTL", default_value = "2s", value_parser = parse_duration)]
@@ -70,6 +78,18 @@ pub struct Cli {
     pub log: String,
 }
 
+/// Commands other than serving.
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Validate policy documents exactly as the filter and the limiter do, print every error
+    /// with its policy and field, and exit 1 if any document is invalid (for CI gates).
+    CheckPolicies {
+        /// Policy documents (JSON).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+}
+
 /// `25ms`, `2s`, `1m`: the policy document's duration syntax.
 fn parse_duration(text: &str) -> Result<Duration, String> {
     Millis::parse(text).map(|m| Duration::from_millis(m.as_millis()))
@@ -85,7 +105,7 @@ impl Cli {
         ServerConfig {
             listen: self.listen,
             store,
-            policies: self.policies.clone(),
+            policies: self.policies.clone().unwrap_or_default(),
             lease_ttl: self.lease_ttl,
             dedup_ttl: self.dedup_ttl,
             store_timeout: self.store_timeout,

@@ -9,6 +9,7 @@
 //! (validation, units, deadlines, answers), [`store`] holds the buckets, [`policies`] keeps
 //! the policy document current, [`metrics`] exports what happened, [`config`] is the CLI.
 
+pub mod check;
 pub mod clock;
 pub mod config;
 pub mod http;

@@ -1,13 +1,22 @@
 //! The `tollgate-limiter` binary: flags → [`ServerConfig`], logging, serve until SIGTERM or
-//! SIGINT, then drain and exit.
+//! SIGINT, then drain and exit; or `check-policies FILE...` to validate policy documents.
 
 use clap::Parser;
-use tollgate_limiter::config::{init_logging, Cli};
-use tollgate_limiter::serve;
+use tollgate_limiter::config::{init_logging, Cli, Command};
+use tollgate_limiter::{check, serve};
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::CheckPolicies { files }) = &cli.command {
+        let report = check::check_files(files);
+        print!("{}", report.text);
+        return if report.ok {
+            std::process::ExitCode::SUCCESS
+        } else {
+            std::process::ExitCode::FAILURE
+        };
+    }
     init_logging(cli.log_format, &cli.log);
     let mut running = match serve(cli.server_config()).await {
         Ok(running) => running,
