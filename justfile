@@ -47,9 +47,18 @@ demo-local: build-wasm
     @echo "  curl -si -X POST -H 'host: api.example.com' -H 'x-tenant-id: acme' localhost:10000/payments/transfers"
     envoy -c envoy/local.yaml --concurrency 4 --disable-hot-restart -l warn
 
-# Build the limiter service (debug profile: builds fast, plenty for a demo; benchmarks use release).
+# Build the limiter service (debug profile: builds fast, plenty for a demo).
 build-limiter:
     cargo build -p tollgate-limiter
+
+# Build the limiter for production (profile `server`: opt-level 3, thin LTO, unwinding panics).
+build-limiter-server:
+    cargo build --profile server -p tollgate-limiter
+    @echo "built target/server/tollgate-limiter"
+
+# Validate policy documents as the filter and the limiter do (exit 1 with every error).
+check-policies *files="policies/*.json": build-limiter
+    target/debug/tollgate-limiter check-policies {{files}}
 
 # Formatting and lints (native and wasm32; unwrap/expect/panic denied outside tests).
 lint:
