@@ -99,8 +99,7 @@ istio policy="policies/payments.json" repo="registry.example.com/platform/tollga
 dashboard:
     tools/gen-dashboard
 
-# The limiter's own benchmark: leases/s and p50/p99 through the HTTP API against one local Redis,
-# a 3x1 Redis Cluster and the in-memory store, next to redis-benchmark running the same FCALL.
-# The bench profile here skips fat LTO (the release profile is tuned for the .wasm).
+# (The bench profile here skips fat LTO: the release profile is tuned for the .wasm.)
+# Limiter leases/s, p50/p99 over HTTP on Redis, a 3x1 cluster and memory, next to redis-benchmark.
 bench-limiter seconds="5":
     CARGO_PROFILE_BENCH_LTO=false CARGO_PROFILE_BENCH_CODEGEN_UNITS=16 CARGO_PROFILE_BENCH_OPT_LEVEL=3 CARGO_PROFILE_BENCH_PANIC=unwind cargo bench -p tollgate-limiter --bench leases -- --seconds {{seconds}}
