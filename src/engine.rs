@@ -146,6 +146,14 @@ pub struct Attempt {
     pub deadline_passed: bool,
 }
 
+impl Attempt {
+    /// A first decision that may not wait (the request cannot be paused for a callout).
+    pub const NO_WAIT: Attempt = Attempt {
+        round: 0,
+        deadline_passed: true,
+    };
+}
+
 /// What one policy's record says about the request.
 #[derive(Debug, Clone, PartialEq)]
 enum Step {
@@ -179,6 +187,14 @@ struct Scratch {
     needs: Vec<LeaseNeed>,
     returns: Vec<ReturnNeed>,
     expired: Vec<(usize, u64)>,
+}
+
+impl Scratch {
+    fn drain_into(self, decision: &mut Decision) {
+        decision.needs.extend(self.needs);
+        decision.returns.extend(self.returns);
+        decision.expired.extend(self.expired);
+    }
 }
 
 /// The configured filter: validated policies plus the shared table.
@@ -317,7 +333,7 @@ impl Engine {
                 for ((_, policy), record) in items.iter().zip(records.iter_mut()) {
                     settle(record, policy);
                 }
-                Txn::Commit((verdict, steps))
+                Txn::Commit(verdict)
             },
             |index, before, after, current| {
                 // Undo the consumption only; housekeeping (flags, expiry) stays.
@@ -349,15 +365,11 @@ impl Engine {
         match result {
             Ok(done) => {
                 decision.evictions += done.evictions;
-                let ((verdict, outcomes, headers), steps) = done.value;
-                let _ = steps;
+                let (verdict, outcomes, headers) = done.value;
                 decision.verdict = verdict;
                 decision.outcomes.extend(outcomes);
                 decision.response_headers = headers;
-                let scratch = scratch.into_inner();
-                decision.needs.extend(scratch.needs);
-                decision.returns.extend(scratch.returns);
-                decision.expired.extend(scratch.expired);
+                scratch.into_inner().drain_into(decision);
             }
             Err(error) => {
                 decision.table_error = Some(error);
@@ -706,10 +718,7 @@ impl Engine {
             Ok(done) => {
                 decision.evictions += done.evictions;
                 decision.outcomes.push((matched.index, done.value));
-                let scratch = scratch.into_inner();
-                decision.needs.extend(scratch.needs);
-                decision.returns.extend(scratch.returns);
-                decision.expired.extend(scratch.expired);
+                scratch.into_inner().drain_into(decision);
             }
             Err(error) => {
                 decision.table_error = Some(error);

@@ -3,7 +3,7 @@
 //! return `Result`; the SDK's trait helpers unwrap, and a panic would kill the worker's VM).
 //! The root context owns the worker's callouts (see `worker`).
 
-use crate::engine::{Attempt, Engine, Verdict, SHARED_PREFIX};
+use crate::engine::{Attempt, Decision, Engine, Plan, Verdict, SHARED_PREFIX};
 use crate::global::DEADLINE_MARGIN_MS;
 use crate::metrics::Metrics;
 use crate::request::{RequestFacts, RequestSource};
@@ -291,6 +291,47 @@ impl Drop for Http {
     }
 }
 
+impl Http {
+    /// Registers this request as waiting for the leases `decision` asks for and wakes the root
+    /// to send them; `false` (and nothing registered) when that is not possible.
+    fn start_waiting(
+        &self,
+        configured: &Configured,
+        plan: &Plan,
+        decision: &Decision,
+        now: u64,
+    ) -> bool {
+        let Ok(mut worker) = configured.worker.try_borrow_mut() else {
+            return false;
+        };
+        let timeout = configured.engine.limiter().map_or(0, |l| l.timeout.0);
+        let deadline = now + timeout + DEADLINE_MARGIN_MS;
+        if !worker.wait(
+            self.context_id,
+            plan.clone(),
+            decision,
+            deadline,
+            self.response_headers.clone(),
+        ) {
+            return false;
+        }
+        worker.queue(decision);
+        if wake(configured) {
+            true
+        } else {
+            worker.forget(self.context_id);
+            false
+        }
+    }
+}
+
+/// Wakes this worker's root context (through its shared queue) to send what was queued.
+fn wake(configured: &Configured) -> bool {
+    configured
+        .queue
+        .is_some_and(|queue| hostcalls::enqueue_shared_queue(queue, Some(b"w")).is_ok())
+}
+
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let Some(configured) = self.configured.clone() else {
@@ -309,54 +350,22 @@ impl HttpContext for Http {
         }
         let now = now_ms();
         let mut decision = engine.decide(&plan, &HostSharedData, now, Attempt::default());
-        let mut wake = false;
-        if let Ok(mut worker) = configured.worker.try_borrow_mut() {
-            if decision.verdict == Verdict::Wait {
-                let timeout = engine.limiter().map_or(0, |l| l.timeout.0);
-                let deadline = now + timeout + DEADLINE_MARGIN_MS;
-                if worker.wait(
-                    self.context_id,
-                    plan.clone(),
-                    &decision,
-                    deadline,
-                    self.response_headers.clone(),
-                ) {
-                    wake = worker.queue(&decision);
-                } else {
-                    // Too many requests already wait on this worker: decide without waiting.
-                    decision = engine.decide(
-                        &plan,
-                        &HostSharedData,
-                        now,
-                        Attempt {
-                            round: 0,
-                            deadline_passed: true,
-                        },
-                    );
-                    wake = worker.queue(&decision);
-                }
-            } else {
-                wake = worker.queue(&decision);
-            }
+        if decision.verdict == Verdict::Wait
+            && !self.start_waiting(&configured, &plan, &decision, now)
+        {
+            // Too many requests wait already, or nobody could be woken to send the callout:
+            // decide now, as if the limiter were unavailable.
+            decision = engine.decide(&plan, &HostSharedData, now, Attempt::NO_WAIT);
         }
-        let woken = wake
-            && configured
-                .queue
-                .is_some_and(|queue| hostcalls::enqueue_shared_queue(queue, Some(b"w")).is_ok());
-        if decision.verdict == Verdict::Wait && !woken {
-            // Nobody would dispatch the callout: decide now, as if the limiter were unavailable.
-            if let Ok(mut worker) = configured.worker.try_borrow_mut() {
-                worker.forget(self.context_id);
+        if decision.verdict != Verdict::Wait {
+            // Background refills, probes and returns this decision asks for.
+            let queued = configured
+                .worker
+                .try_borrow_mut()
+                .is_ok_and(|mut worker| worker.queue(&decision));
+            if queued {
+                wake(&configured);
             }
-            decision = engine.decide(
-                &plan,
-                &HostSharedData,
-                now,
-                Attempt {
-                    round: 0,
-                    deadline_passed: true,
-                },
-            );
         }
         match &decision.verdict {
             Verdict::Wait => {
