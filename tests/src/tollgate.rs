@@ -121,6 +121,10 @@ impl Limiter {
         self.port
     }
 
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
     pub fn policies_path(&self) -> &Path {
         &self.policies
     }
