@@ -103,3 +103,14 @@ dashboard:
 # Limiter leases/s, p50/p99 over HTTP on Redis, a 3x1 cluster and memory, next to redis-benchmark.
 bench-limiter seconds="5":
     CARGO_PROFILE_BENCH_LTO=false CARGO_PROFILE_BENCH_CODEGEN_UNITS=16 CARGO_PROFILE_BENCH_OPT_LEVEL=3 CARGO_PROFILE_BENCH_PANIC=unwind cargo bench -p tollgate-limiter --bench leases -- --seconds {{seconds}}
+
+# tollgate vs Envoy's own limiters and a per-request global check, side by side: interleaved
+# rounds, ratios, Redis calls, peak RSS; writes bench/results/latest.{md,json}. Needs wrk.
+# Flags go to the driver, e.g. `just bench --rounds 5 --seconds 10` (see bench/src/main.rs).
+bench *args: build-wasm build-limiter-server
+    cargo build --profile server -p tollgate-bench
+    TOLLGATE_LIMITER_BIN=target/server/tollgate-limiter target/server/tollgate-bench {{args}}
+
+# Criterion microbenchmarks of the core and the filter's decision path (ns per operation).
+bench-micro *args:
+    cargo bench --profile server -p tollgate-bench --features micro --bench core -- {{args}}

@@ -1,0 +1,264 @@
+//! `just bench-micro`: criterion microbenchmarks of the core and of the filter's decision path,
+//! natively (the filter runs the same code compiled to wasm32 under V8, typically a few times
+//! slower; these numbers rank costs, they are not the in-Envoy cost).
+//!
+//! - bucket: `try_take` on a live bucket, `lease` from a full one, `give_back`;
+//! - policy match over 100 policies (none matches / the last one matches), and the filter's
+//!   `Engine::plan` over the same 100 (match + key of the matching policy);
+//! - keys: escaping a plain, a hostile and an over-long identity, joining parts, bucket ids;
+//! - the request path: `Engine::plan` + `Engine::decide` for one local policy and for one global
+//!   policy spending from a granted lease, against an in-memory shared-data map with Envoy's
+//!   CAS semantics (the common case: one read and one CAS write per policy).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use tollgate::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
+use tollgate::request::{RequestFacts, RequestSource};
+use tollgate::shared::{ReadError, SharedData, WriteError};
+use tollgate::table::SlotTable;
+use tollgate_core::bucket::{give_back, lease, try_take, BucketState, Limits};
+use tollgate_core::key::{escape_part, join_parts, local_bucket_id};
+use tollgate_core::policy::Policies;
+use tollgate_core::protocol::LeaseGranted;
+
+/// Shared data with Envoy's semantics (see `tollgate::shared`), in memory.
+#[derive(Default)]
+struct Memory {
+    map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    stamp: Cell<u32>,
+}
+
+impl SharedData for Memory {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), ReadError> {
+        Ok(match self.map.borrow().get(key) {
+            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+            None => (None, None),
+        })
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), WriteError> {
+        let stamp = self.stamp.get().wrapping_add(1).max(1);
+        self.stamp.set(stamp);
+        let mut map = self.map.borrow_mut();
+        match map.get_mut(key) {
+            Some(entry) => {
+                if let Some(cas) = cas.filter(|c| *c != 0) {
+                    if cas != entry.1 {
+                        return Err(WriteError::CasMismatch);
+                    }
+                }
+                *entry = (value.to_vec(), stamp);
+            }
+            None => {
+                map.insert(key.to_string(), (value.to_vec(), stamp));
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Request {
+    headers: HashMap<&'static str, Vec<u8>>,
+}
+
+impl RequestSource for Request {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.headers.get(name).cloned()
+    }
+
+    fn property(&self, _path: &[&str]) -> Option<Vec<u8>> {
+        None
+    }
+}
+
+fn request(tenant: &str) -> Request {
+    Request {
+        headers: [("x-tenant-id", tenant.as_bytes().to_vec())].into(),
+    }
+}
+
+fn facts(path: &str) -> RequestFacts {
+    RequestFacts {
+        method: "GET".into(),
+        path: path.into(),
+        host: "api.example.com".into(),
+    }
+}
+
+fn one_policy(scope: &str) -> Policies {
+    let limiter = if scope == "global" {
+        r#", "limiter": { "cluster": "tollgate_limiter" }"#
+    } else {
+        ""
+    };
+    Policies::from_json(
+        format!(
+            r#"{{"policies": [{{"name": "per-tenant", "match": {{"routes": ["GET /items/{{id}}"]}},
+                "key": [{{"header": "x-tenant-id"}}], "rate": {{"units": 1000000000, "per": "1s"}},
+                "burst": 1000000000, "scope": "{scope}"}}]{limiter}}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap()
+}
+
+/// 100 policies on distinct hosts and routes, as a gateway with many APIs would have.
+fn hundred_policies() -> Policies {
+    let policies: Vec<String> = (0..100)
+        .map(|i| {
+            format!(
+                r#"{{"name": "api-{i}", "match": {{"hosts": ["api{i}.example.com"],
+                    "routes": ["GET /v1/svc{i}/items/{{id}}", "POST /v1/svc{i}/items"]}},
+                    "key": [{{"header": "x-tenant-id"}}, "route"],
+                    "rate": {{"units": 100, "per": "1s"}}, "burst": 20}}"#
+            )
+        })
+        .collect();
+    Policies::from_json(format!(r#"{{"policies": [{}]}}"#, policies.join(",")).as_bytes()).unwrap()
+}
+
+fn bucket(c: &mut Criterion) {
+    let limits = Limits::new(1_000, 1_000, 100).unwrap();
+    let mut g = c.benchmark_group("bucket");
+    let state = Some(BucketState {
+        tokens: 50.0,
+        updated_ms: 1_000,
+    });
+    let mut now = 1_000u64;
+    g.bench_function("try_take", |b| {
+        b.iter(|| {
+            now += 1;
+            black_box(try_take(&limits, black_box(state), now, 1))
+        })
+    });
+    g.bench_function("lease", |b| {
+        b.iter(|| black_box(lease(&limits, black_box(None), 2_000, 1, 25)))
+    });
+    g.bench_function("give_back", |b| {
+        b.iter(|| black_box(give_back(&limits, black_box(state), 2_000, 10)))
+    });
+    g.finish();
+}
+
+fn matching(c: &mut Criterion) {
+    let policies = hundred_policies();
+    let mut g = c.benchmark_group("match_100_policies");
+    let none = facts("/v1/other/items/42");
+    let last = RequestFacts {
+        host: "api99.example.com".into(),
+        ..facts("/v1/svc99/items/42")
+    };
+    for (name, f) in [("none_matches", &none), ("last_matches", &last)] {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                black_box(&policies)
+                    .policies
+                    .iter()
+                    .filter_map(|p| p.match_request(&f.host, &f.method, &f.path))
+                    .count()
+            })
+        });
+    }
+    let store = Memory::default();
+    let table = SlotTable::open(&store, SHARED_PREFIX, 4096, 7).unwrap();
+    let engine = Engine::new(policies, table);
+    let req = request("tenant-42");
+    g.bench_function("engine_plan_last_matches", |b| {
+        b.iter(|| black_box(engine.plan(black_box(&last), &req)))
+    });
+    g.finish();
+}
+
+fn keys(c: &mut Criterion) {
+    let mut g = c.benchmark_group("key");
+    g.bench_function("escape_plain", |b| {
+        b.iter(|| escape_part(black_box(b"tenant-42")))
+    });
+    g.bench_function("escape_hostile", |b| {
+        b.iter(|| escape_part(black_box(b"{tenant}:b/../\xff")))
+    });
+    let long = [b'x'; 200];
+    g.bench_function("escape_long_digest", |b| {
+        b.iter(|| escape_part(black_box(&long)))
+    });
+    let parts = [
+        "tenant-42".to_string(),
+        "GET%20%2fitems%2f%7bid%7d".to_string(),
+    ];
+    g.bench_function("join_2_parts", |b| b.iter(|| join_parts(black_box(&parts))));
+    g.bench_function("local_bucket_id", |b| {
+        b.iter(|| local_bucket_id(black_box("per-tenant"), black_box("tenant-42")))
+    });
+    g.finish();
+}
+
+fn request_path(c: &mut Criterion) {
+    let mut g = c.benchmark_group("request_path");
+    let f = facts("/items/42");
+    let tenants: Vec<Request> = (0..100).map(|t| request(&format!("tenant-{t}"))).collect();
+
+    let store = Memory::default();
+    let table = SlotTable::open(&store, SHARED_PREFIX, 4096, 7).unwrap();
+    let local = Engine::new(one_policy("local"), table);
+    let mut i = 0usize;
+    g.bench_function("local_policy_plan_decide", |b| {
+        b.iter(|| {
+            i = (i + 1) % tenants.len();
+            let plan = local.plan(&f, &tenants[i]);
+            let d = local.decide(&plan, &store, 10_000, Attempt::default());
+            assert_eq!(d.verdict, Verdict::Continue);
+            black_box(d)
+        })
+    });
+
+    let store = Memory::default();
+    let table = SlotTable::open(&store, SHARED_PREFIX, 4096, 7).unwrap();
+    let global = Engine::new(one_policy("global"), table);
+    for req in &tenants {
+        let plan = global.plan(&f, req);
+        let m = &plan.enforced[0];
+        let need = LeaseNeed {
+            policy: m.index,
+            key: m.key.clone(),
+            bucket_id: m.bucket_id.clone(),
+            min: 1,
+            want: 100,
+            blocking: true,
+        };
+        let grant = LeaseGranted {
+            id: "bench".into(),
+            granted: 1_000_000_000,
+            remaining: 0.0,
+            retry_after_ms: 0,
+            expires_ms: 1_000_000_000,
+        };
+        global.credit(&store, &need, &grant, 1, 10_000).unwrap();
+    }
+    g.bench_function("global_policy_lease_plan_decide", |b| {
+        b.iter(|| {
+            i = (i + 1) % tenants.len();
+            let plan = global.plan(&f, &tenants[i]);
+            let d = global.decide(&plan, &store, 10_000, Attempt::default());
+            assert_eq!(d.verdict, Verdict::Continue);
+            black_box(d)
+        })
+    });
+    let miss = facts("/orders/42");
+    g.bench_function("no_policy_matches_plan", |b| {
+        b.iter(|| black_box(global.plan(black_box(&miss), &tenants[0])))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bucket, matching, keys, request_path);
+criterion_main!(benches);

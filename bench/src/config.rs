@@ -1,0 +1,220 @@
+//! The Envoy configs and policy documents of every scenario, derived from the shipped
+//! `envoy/local.yaml` and `envoy/global.yaml` (made test-ready by
+//! [`tollgate_e2e::tollgate::envoy_config`]), so the benchmark measures what we ship: the same
+//! V8 runtime, `failure_policy`, limiter cluster and stats settings.
+//!
+//! Three edits are applied to the shipped text, each checked to apply exactly once: answer on
+//! the ingress route with a `direct_response` instead of the upstream, drop the wasm filter
+//! (the ceiling), or put Envoy's native `local_ratelimit` filter in its place.
+
+/// The tollgate filter's first line in the shipped configs' ingress filter chain.
+const WASM_FILTER: &str = "          - name: envoy.filters.http.wasm\n";
+/// The router, which follows the wasm filter.
+const ROUTER: &str = "          - name: envoy.filters.http.router\n";
+/// The ingress route to the upstream.
+const UPSTREAM_ROUTE: &str = "                route: { cluster: demo_upstream }\n";
+
+/// Envoy's own local rate limit filter: one token bucket per Envoy process, big enough that it
+/// never denies (`max_tokens` is a uint32), enabled and enforced for every request.
+const NATIVE_LOCAL_RATELIMIT: &str = r#"          - name: envoy.filters.http.local_ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
+              stat_prefix: http_local_rate_limiter
+              token_bucket:
+                max_tokens: 4000000000
+                tokens_per_fill: 4000000000
+                fill_interval: 1s
+              filter_enabled:
+                runtime_key: local_rate_limit_enabled
+                default_value: { numerator: 100, denominator: HUNDRED }
+              filter_enforced:
+                runtime_key: local_rate_limit_enforced
+                default_value: { numerator: 100, denominator: HUNDRED }
+"#;
+
+/// Replaces the ingress route to the upstream with a fixed 200 answered by Envoy itself.
+pub fn direct_response(yaml: &str) -> Result<String, String> {
+    replace_once(
+        yaml,
+        UPSTREAM_ROUTE,
+        "                direct_response: { status: 200, body: { inline_string: \"ok\" } }\n",
+    )
+}
+
+/// Removes the tollgate filter from the ingress filter chain.
+pub fn without_wasm(yaml: &str) -> Result<String, String> {
+    replace_wasm_filter(yaml, "")
+}
+
+/// Puts Envoy's `local_ratelimit` filter where the tollgate filter was.
+pub fn with_native_local_ratelimit(yaml: &str) -> Result<String, String> {
+    replace_wasm_filter(yaml, NATIVE_LOCAL_RATELIMIT)
+}
+
+fn replace_wasm_filter(yaml: &str, with: &str) -> Result<String, String> {
+    if yaml.matches(WASM_FILTER).count() != 1 {
+        return Err("expected exactly one tollgate wasm filter in the config".into());
+    }
+    let start = yaml.find(WASM_FILTER).ok_or("no wasm filter")?;
+    let rest = yaml.get(start..).ok_or("bad offset")?;
+    let end = start + rest.find(ROUTER).ok_or("no router after the wasm filter")?;
+    let (head, _) = yaml.split_at(start);
+    let tail = yaml.get(end..).ok_or("bad offset")?;
+    Ok(format!("{head}{with}{tail}"))
+}
+
+fn replace_once(text: &str, from: &str, to: &str) -> Result<String, String> {
+    match text.matches(from).count() {
+        1 => Ok(text.replacen(from, to, 1)),
+        n => Err(format!(
+            "expected `{}` once in the config, found {n}",
+            from.trim()
+        )),
+    }
+}
+
+/// The route every benchmark request takes (`GET /items/<n>`, see `bench/wrk/tenants.lua`).
+pub const ROUTE: &str = "GET /items/{id}";
+
+/// A policy document with one per-tenant policy on `route`, never denying at benchmark rates
+/// (a billion units per second, a burst of a billion) unless `rate` is given.
+pub struct PolicyDoc<'a> {
+    pub route: &'a str,
+    pub scope: &'a str,
+    /// `(units per second, burst)`.
+    pub rate: (u64, u64),
+    pub on_unavailable: &'a str,
+    /// `limiter.lease_max` (`1` turns batching off); `None` keeps the default.
+    pub lease_max: Option<u64>,
+}
+
+/// The shipped global config's failure mode.
+pub const SHIPPED_FAILURE: &str =
+    r#"{ "mode": "local", "share": 0.34, "stale_ttl": "30s", "then": "closed" }"#;
+pub const CLOSED: &str = r#"{ "mode": "closed" }"#;
+/// Never denying.
+pub const HUGE: (u64, u64) = (1_000_000_000, 1_000_000_000);
+
+impl PolicyDoc<'_> {
+    pub fn local(route: &str) -> PolicyDoc<'_> {
+        PolicyDoc {
+            route,
+            scope: "local",
+            rate: HUGE,
+            on_unavailable: CLOSED,
+            lease_max: None,
+        }
+    }
+
+    pub fn global(lease_max: Option<u64>) -> PolicyDoc<'static> {
+        PolicyDoc {
+            route: ROUTE,
+            scope: "global",
+            rate: HUGE,
+            on_unavailable: SHIPPED_FAILURE,
+            lease_max,
+        }
+    }
+
+    pub fn json(&self) -> String {
+        let (units, burst) = self.rate;
+        let mut limiter = String::new();
+        if self.scope == "global" {
+            let lease_max = self
+                .lease_max
+                .map(|m| format!(", \"lease_max\": {m}"))
+                .unwrap_or_default();
+            limiter = format!(
+                ",\n  \"limiter\": {{ \"cluster\": \"tollgate_limiter\", \"timeout\": \"25ms\"{lease_max} }}"
+            );
+        }
+        format!(
+            r#"{{
+  "policies": [{{
+    "name": "per-tenant",
+    "match": {{ "routes": ["{route}"] }},
+    "key": [{{ "header": "x-tenant-id" }}],
+    "on_missing_key": "deny",
+    "rate": {{ "units": {units}, "per": "1s" }},
+    "burst": {burst},
+    "scope": "{scope}",
+    "on_unavailable": {failure},
+    "enforce": true
+  }}]{limiter}
+}}"#,
+            route = self.route,
+            scope = self.scope,
+            failure = self.on_unavailable,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tollgate_core::policy::Policies;
+
+    fn shipped(name: &str) -> String {
+        let root = tollgate_e2e::paths::workspace_root();
+        std::fs::read_to_string(root.join(name)).unwrap_or_default()
+    }
+
+    #[test]
+    fn edits_apply_to_the_shipped_configs() {
+        for name in ["envoy/local.yaml", "envoy/global.yaml"] {
+            let yaml = shipped(name);
+            let direct = direct_response(&yaml).unwrap_or_default();
+            assert!(direct.contains("direct_response: { status: 200"), "{name}");
+            assert!(
+                !direct.contains("route: { cluster: demo_upstream }"),
+                "{name}"
+            );
+            let bare = without_wasm(&yaml).unwrap_or_default();
+            assert!(!bare.contains("envoy.filters.http.wasm"), "{name}");
+            assert!(!bare.contains("vm_config"), "{name}");
+            assert!(bare.contains(ROUTER), "{name}");
+            let native = with_native_local_ratelimit(&yaml).unwrap_or_default();
+            assert!(
+                native.contains("envoy.filters.http.local_ratelimit"),
+                "{name}"
+            );
+            assert!(!native.contains("envoy.filters.http.wasm"), "{name}");
+            let filters = native.find("local_ratelimit").unwrap_or(usize::MAX);
+            let router = native.find(ROUTER).unwrap_or(0);
+            assert!(
+                filters < router,
+                "{name}: the limit must come before the router"
+            );
+        }
+        assert!(direct_response("nothing").is_err());
+        assert!(without_wasm("nothing").is_err());
+    }
+
+    #[test]
+    fn policy_documents_are_valid() {
+        for doc in [
+            PolicyDoc::local(ROUTE),
+            PolicyDoc::local("GET /orders/{id}"),
+            PolicyDoc::global(None),
+            PolicyDoc::global(Some(1)),
+            PolicyDoc {
+                rate: (100, 20),
+                on_unavailable: CLOSED,
+                ..PolicyDoc::global(None)
+            },
+        ] {
+            let json = doc.json();
+            let parsed = Policies::from_json(json.as_bytes());
+            assert!(
+                parsed.is_ok(),
+                "{json}: {:?}",
+                parsed.err().map(|e| e.to_string())
+            );
+        }
+        let no_batching = Policies::from_json(PolicyDoc::global(Some(1)).json().as_bytes());
+        let lease_max = no_batching
+            .ok()
+            .and_then(|p| p.limiter.map(|l| l.lease_max));
+        assert_eq!(lease_max, Some(1));
+    }
+}

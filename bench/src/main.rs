@@ -1,0 +1,642 @@
+//! `just bench` driver: starts every scenario's processes on loopback (real Envoys with the
+//! built filter, real limiters and redis-servers, an in-process HTTP upstream), loads each with
+//! wrk in interleaved rounds, then writes `bench/results/latest.{md,json}` and prints the table.
+//!
+//! Scenarios (same Envoy binary, same wrk script, same route, 100 tenants in x-tenant-id):
+//!   1  Envoy, no rate-limit filter (ceiling)       2  Envoy's local_ratelimit filter
+//!   3  tollgate, no policy matches                 4  tollgate, one local policy
+//!   5  tollgate, one global policy (leases)        6  the same, batching off (lease_max 1)
+//!   1u, 5u: 1 and 5 against a real HTTP upstream instead of a direct response
+//!   7  over limit: two Envoys, paced demand at ~3 × a global policy's rate
+//! 1–6 never deny. Every process is killed when the driver exits (the harness ties children to
+//! it), also on Ctrl-C.
+//!
+//! Flags: --rounds N (3) --seconds S (5) --warmup S (2) --connections N (64) --threads N (1)
+//! --concurrency N (Envoy workers, 1) --tenants N (100) --distribution zipf|uniform (zipf)
+//! --only 1,2,5 (scenario ids; 7 for the over-limit run) --s7-seconds S (10) --out DIR
+//! (bench/results) --no-write (print only).
+
+#![allow(clippy::expect_used, clippy::panic)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tollgate_bench::config::{self, PolicyDoc, CLOSED, ROUTE};
+use tollgate_bench::report::{OverLimitRun, Report, Run, Scenario, Setup};
+use tollgate_bench::stats::{cpu_seconds, peak_rss, redis_calls};
+use tollgate_bench::wrk::{self, Load};
+use tollgate_e2e::redis::RedisOptions;
+use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
+use tollgate_e2e::upstream::MockResponse;
+use tollgate_e2e::{paths, Envoy, EnvoyOptions, RedisServer, Upstream};
+
+struct Args {
+    rounds: u32,
+    seconds: f64,
+    warmup: f64,
+    connections: u32,
+    threads: u32,
+    concurrency: u32,
+    tenants: u32,
+    distribution: String,
+    only: Option<Vec<String>>,
+    s7_seconds: f64,
+    out: PathBuf,
+    write: bool,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        rounds: 3,
+        seconds: 5.0,
+        warmup: 2.0,
+        connections: 64,
+        threads: 1,
+        concurrency: 1,
+        tenants: 100,
+        distribution: "zipf".into(),
+        only: None,
+        s7_seconds: 10.0,
+        out: paths::workspace_root().join("bench/results"),
+        write: true,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .unwrap_or_else(|| panic!("{flag} needs a value (see bench/src/main.rs)"))
+        };
+        let number = |v: String| -> f64 {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{flag}: `{v}` is not a number"))
+        };
+        match flag.as_str() {
+            "--rounds" => a.rounds = number(value()) as u32,
+            "--seconds" => a.seconds = number(value()),
+            "--warmup" => a.warmup = number(value()),
+            "--connections" => a.connections = number(value()) as u32,
+            "--threads" => a.threads = number(value()) as u32,
+            "--concurrency" => a.concurrency = number(value()) as u32,
+            "--tenants" => a.tenants = number(value()) as u32,
+            "--distribution" => a.distribution = value(),
+            "--only" => a.only = Some(value().split(',').map(str::to_string).collect()),
+            "--s7-seconds" => a.s7_seconds = number(value()),
+            "--out" => a.out = PathBuf::from(value()),
+            "--no-write" => a.write = false,
+            "--bench" => {} // passed by `cargo bench`
+            other => panic!("unknown flag {other} (see bench/src/main.rs)"),
+        }
+    }
+    assert!(
+        a.rounds >= 1 && a.seconds > 0.0 && a.connections >= 1 && a.threads >= 1,
+        "rounds, seconds, connections and threads must be positive"
+    );
+    assert!(
+        matches!(a.distribution.as_str(), "zipf" | "uniform"),
+        "--distribution is zipf or uniform"
+    );
+    a
+}
+
+/// One scenario's processes.
+struct Env {
+    id: &'static str,
+    title: &'static str,
+    envoy: Envoy,
+    port: u16,
+    redis: Option<RedisServer>,
+    limiter: Option<Limiter>,
+}
+
+#[derive(Clone, Copy)]
+enum Filter {
+    None,
+    Native,
+    Tollgate,
+}
+
+struct Spec {
+    id: &'static str,
+    title: &'static str,
+    filter: Filter,
+    /// Policy document for tollgate; global ones get a limiter and Redis.
+    policy: Option<PolicyDoc<'static>>,
+    upstream: bool,
+}
+
+fn specs() -> Vec<Spec> {
+    vec![
+        Spec {
+            id: "1",
+            title: "Envoy, no rate-limit filter (ceiling)",
+            filter: Filter::None,
+            policy: None,
+            upstream: false,
+        },
+        Spec {
+            id: "2",
+            title: "Envoy `local_ratelimit` (never denying)",
+            filter: Filter::Native,
+            policy: None,
+            upstream: false,
+        },
+        Spec {
+            id: "3",
+            title: "tollgate, no policy matches",
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::local("GET /orders/{id}")),
+            upstream: false,
+        },
+        Spec {
+            id: "4",
+            title: "tollgate, one local policy",
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::local(ROUTE)),
+            upstream: false,
+        },
+        Spec {
+            id: "5",
+            title: "tollgate, one global policy, leases (limiter + Redis)",
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::global(None)),
+            upstream: false,
+        },
+        Spec {
+            id: "6",
+            title: "tollgate, global, batching off (`lease_max: 1`)",
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::global(Some(1))),
+            upstream: false,
+        },
+        Spec {
+            id: "1u",
+            title: "1 against a real HTTP upstream",
+            filter: Filter::None,
+            policy: None,
+            upstream: true,
+        },
+        Spec {
+            id: "5u",
+            title: "5 against a real HTTP upstream",
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::global(None)),
+            upstream: true,
+        },
+    ]
+}
+
+fn start_redis(label: &str) -> RedisServer {
+    RedisServer::start_with(RedisOptions {
+        name: format!("bench-{label}"),
+        ..RedisOptions::default()
+    })
+}
+
+fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
+    let global = spec.policy.as_ref().is_some_and(|p| p.scope == "global");
+    let policy = spec
+        .policy
+        .as_ref()
+        .map_or_else(|| PolicyDoc::local(ROUTE).json(), PolicyDoc::json);
+    let (redis, limiter) = if global {
+        let redis = start_redis(spec.id);
+        let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+        (Some(redis), Some(limiter))
+    } else {
+        (None, None)
+    };
+    let shipped = if global {
+        "envoy/global.yaml"
+    } else {
+        "envoy/local.yaml"
+    };
+    let mut yaml = envoy_config(
+        shipped,
+        &policy,
+        upstream.port(),
+        limiter.as_ref().map(Limiter::port),
+    );
+    let edit = |r: Result<String, String>| r.unwrap_or_else(|e| panic!("S{}: {e}", spec.id));
+    yaml = match spec.filter {
+        Filter::None => edit(config::without_wasm(&yaml)),
+        Filter::Native => edit(config::with_native_local_ratelimit(&yaml)),
+        Filter::Tollgate => yaml,
+    };
+    if !spec.upstream {
+        yaml = edit(config::direct_response(&yaml));
+    }
+    let envoy = Envoy::start(
+        EnvoyOptions::new(yaml)
+            .concurrency(concurrency)
+            .log_level("warn")
+            .name(format!("bench-s{}", spec.id)),
+    );
+    let port = envoy.listener_port("ingress");
+    Env {
+        id: spec.id,
+        title: spec.title,
+        envoy,
+        port,
+        redis,
+        limiter,
+    }
+}
+
+fn load(a: &Args, seconds: f64, seed: u64) -> Load {
+    Load {
+        threads: a.threads,
+        connections: a.connections,
+        duration: Duration::from_secs_f64(seconds),
+        tenants: a.tenants,
+        distribution: a.distribution.clone(),
+        seed,
+        prefix: "tenant-".into(),
+        delay_ms: None,
+    }
+}
+
+fn filter_counters(envoy: &Envoy) -> Vec<(String, u64)> {
+    let text = envoy.stats_prometheus();
+    let get = |name: &str| {
+        prometheus_value(&text, &format!("tollgate_{name}{{policy=\"per-tenant\"}}")) as u64
+    };
+    let undecided = [
+        "fail_open",
+        "fail_closed",
+        "fallback_allowed",
+        "fallback_denied",
+    ]
+    .iter()
+    .map(|n| get(n))
+    .sum::<u64>();
+    let allowed = get("allowed");
+    vec![
+        ("allowed".into(), allowed),
+        ("denied".into(), get("denied")),
+        ("undecided".into(), undecided),
+        ("decided".into(), allowed + get("denied") + undecided),
+        ("lease_requests".into(), get("lease_requests")),
+        ("tokens_granted".into(), get("tokens_granted")),
+        (
+            "callouts_failed".into(),
+            prometheus_value(&text, "tollgate_callouts_failed") as u64,
+        ),
+        (
+            "wait_deadline_passed".into(),
+            prometheus_value(&text, "tollgate_wait_deadline_passed") as u64,
+        ),
+    ]
+}
+
+fn command_line(program: &str, args: &[&str]) -> String {
+    Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+fn setup(a: &Args) -> Setup {
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_default();
+    let envoy = command_line(&paths::envoy_bin().to_string_lossy(), &["--version"]);
+    let envoy = envoy
+        .split("version: ")
+        .nth(1)
+        .and_then(|v| v.split('/').nth(1))
+        .map_or("Envoy".to_string(), |v| format!("Envoy {v}"));
+    let dirty = !command_line("git", &["status", "--porcelain", "--untracked-files=no"]).is_empty();
+    Setup {
+        date: command_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+        commit: format!(
+            "{}{}",
+            command_line("git", &["rev-parse", "--short", "HEAD"]),
+            if dirty { "+changes" } else { "" }
+        ),
+        machine: format!(
+            "{cpus} CPUs ({model}), shared by load generator, Envoy, limiter and Redis"
+        ),
+        envoy,
+        concurrency: a.concurrency,
+        wrk_threads: a.threads,
+        connections: a.connections,
+        seconds: a.seconds,
+        rounds: a.rounds,
+        tenants: a.tenants,
+        distribution: match a.distribution.as_str() {
+            "zipf" => "Zipf-like, weight 1/rank".into(),
+            other => other.into(),
+        },
+    }
+}
+
+/// Per-tenant request counts at the upstream, for scenario 7.
+type Counts = Arc<Mutex<HashMap<String, u64>>>;
+
+fn counting_upstream() -> (Upstream, Counts) {
+    let counts: Counts = Arc::default();
+    let seen = Arc::clone(&counts);
+    let upstream = Upstream::with_handler(move |req| {
+        let tenant = req.header("x-tenant-id").unwrap_or("").to_string();
+        *seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(tenant)
+            .or_insert(0) += 1;
+        MockResponse::new(200, "ok")
+    });
+    (upstream, counts)
+}
+
+const S7_TENANTS: u32 = 10;
+const S7_RATE: u64 = 100;
+const S7_BURST: u64 = 20;
+const S7_CONNECTIONS: u32 = 16;
+
+/// Scenario 7: two Envoys share one global policy (S7_TENANTS tenants, S7_RATE/s, burst
+/// S7_BURST); each gets half of 3 × the rate, paced; fresh tenants every round.
+fn over_limit(a: &Args) -> Vec<OverLimitRun> {
+    let (upstream, counts) = counting_upstream();
+    let policy = PolicyDoc {
+        rate: (S7_RATE, S7_BURST),
+        on_unavailable: CLOSED,
+        ..PolicyDoc::global(None)
+    }
+    .json();
+    let redis = start_redis("s7");
+    let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    let envoys: Vec<(Envoy, u16)> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let yaml = envoy_config(
+                "envoy/global.yaml",
+                &policy,
+                upstream.port(),
+                Some(limiter.port()),
+            );
+            let envoy = Envoy::start(
+                EnvoyOptions::new(yaml)
+                    .concurrency(a.concurrency)
+                    .log_level("warn")
+                    .name(format!("bench-s7{name}")),
+            );
+            let port = envoy.listener_port("ingress");
+            (envoy, port)
+        })
+        .collect();
+    // Per instance: 1.5 × rate × tenants requests/s over S7_CONNECTIONS paced connections.
+    let per_instance = 1.5 * S7_RATE as f64 * f64::from(S7_TENANTS);
+    let delay_ms = (f64::from(S7_CONNECTIONS) * 1000.0 / per_instance).round() as u64;
+    let mut runs = Vec::new();
+    for round in 0..a.rounds {
+        let prefix = format!("s7r{round}-");
+        let undecided_before: u64 = envoys
+            .iter()
+            .map(|(e, _)| undecided(&filter_counters(e)))
+            .sum();
+        let started = Instant::now();
+        let results: Vec<Result<wrk::Measured, String>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = envoys
+                .iter()
+                .enumerate()
+                .map(|(i, (_, port))| {
+                    let load = Load {
+                        threads: 1,
+                        connections: S7_CONNECTIONS,
+                        duration: Duration::from_secs_f64(a.s7_seconds),
+                        tenants: S7_TENANTS,
+                        distribution: "uniform".into(),
+                        seed: 7_000 + u64::from(round) * 10 + i as u64,
+                        prefix: prefix.clone(),
+                        delay_ms: Some(delay_ms),
+                    };
+                    let port = *port;
+                    scope.spawn(move || wrk::run(port, &load))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("wrk thread panicked".into()))
+                })
+                .collect()
+        });
+        let seconds = started.elapsed().as_secs_f64();
+        let measured: Vec<wrk::Measured> = results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|e| panic!("S7: {e}")))
+            .collect();
+        let admitted: Vec<(String, u64)> = {
+            let counts = counts.lock().unwrap_or_else(|p| p.into_inner());
+            (0..S7_TENANTS)
+                .map(|t| {
+                    let name = format!("{prefix}{t}");
+                    let n = counts.get(&name).copied().unwrap_or(0);
+                    (name, n)
+                })
+                .collect()
+        };
+        let undecided_after: u64 = envoys
+            .iter()
+            .map(|(e, _)| undecided(&filter_counters(e)))
+            .sum();
+        let run = OverLimitRun {
+            round,
+            seconds,
+            tenants: S7_TENANTS,
+            rate: S7_RATE,
+            burst: S7_BURST,
+            demanded: measured.iter().map(|m| m.requests).sum(),
+            admitted,
+            undecided: undecided_after - undecided_before,
+            socket_errors: measured.iter().map(|m| m.socket_errors).sum(),
+        };
+        eprintln!(
+            "  S7 round {round}: {:.2} s, demand {:.2} × rate, admitted {} of {:.0} allowed \
+             (overshoot {:.2} %, under-use {:.2} %)",
+            run.seconds,
+            run.demand_ratio(),
+            run.admitted_total(),
+            run.allowed_total(),
+            run.overshoot_pct(),
+            run.underuse_pct()
+        );
+        runs.push(run);
+    }
+    drop(envoys);
+    drop(limiter);
+    drop(redis);
+    runs
+}
+
+/// CPU seconds so far: `(Envoy, limiter + Redis)`.
+fn cpu_of(env: &Env) -> (Option<f64>, Option<f64>) {
+    let envoy = cpu_seconds(env.envoy.pid());
+    let backend = match (&env.limiter, &env.redis) {
+        (Some(l), Some(r)) => cpu_seconds(l.pid())
+            .zip(cpu_seconds(r.pid()))
+            .map(|(a, b)| a + b),
+        _ => None,
+    };
+    (envoy, backend)
+}
+
+fn undecided(counters: &[(String, u64)]) -> u64 {
+    counters
+        .iter()
+        .find(|(n, _)| n == "undecided")
+        .map_or(0, |(_, v)| *v)
+}
+
+fn main() {
+    let a = args();
+    let wanted = |id: &str| a.only.as_ref().map_or(true, |o| o.iter().any(|x| x == id));
+    if std::env::var_os("TOLLGATE_LIMITER_BIN").is_none() {
+        let server = paths::target_dir().join("server/tollgate-limiter");
+        assert!(
+            server.exists(),
+            "no limiter at {}: build it with `just build-limiter-server` \
+             (or set TOLLGATE_LIMITER_BIN)",
+            server.display()
+        );
+        // No other thread has been started yet.
+        std::env::set_var("TOLLGATE_LIMITER_BIN", server);
+    }
+    assert!(
+        paths::which("wrk").is_some(),
+        "wrk not found: run tools/setup (Debian package wrk)"
+    );
+    let _ = paths::wasm_path();
+    let setup = setup(&a);
+    eprintln!(
+        "tollgate bench: {} rounds × {} s, wrk -t{} -c{}, Envoy --concurrency {}, {} tenants ({})",
+        a.rounds, a.seconds, a.threads, a.connections, a.concurrency, a.tenants, a.distribution
+    );
+
+    let upstream = Upstream::start();
+    let envs: Vec<Env> = specs()
+        .iter()
+        .filter(|s| wanted(s.id))
+        .map(|s| {
+            let env = start_env(s, &upstream, a.concurrency);
+            eprintln!("  S{} up on :{} — {}", env.id, env.port, env.title);
+            env
+        })
+        .collect();
+
+    if a.warmup > 0.0 {
+        for env in &envs {
+            wrk::run(env.port, &load(&a, a.warmup, 1))
+                .unwrap_or_else(|e| panic!("S{} warm-up: {e}", env.id));
+        }
+    }
+
+    let mut scenarios: Vec<Scenario> = envs
+        .iter()
+        .map(|e| Scenario {
+            id: e.id.into(),
+            title: e.title.into(),
+            ..Scenario::default()
+        })
+        .collect();
+    for round in 0..a.rounds {
+        // Rotate the order each round so no scenario always runs first (or after the same one).
+        let n = envs.len().max(1);
+        for k in 0..envs.len() {
+            let i = (k + round as usize) % n;
+            let (Some(env), Some(sc)) = (envs.get(i), scenarios.get_mut(i)) else {
+                continue;
+            };
+            let before = env
+                .redis
+                .as_ref()
+                .map(|r| redis_calls(&r.info("commandstats")));
+            let cpu_before = cpu_of(env);
+            let measured = wrk::run(env.port, &load(&a, a.seconds, 100 + u64::from(round)))
+                .unwrap_or_else(|e| panic!("S{}: {e}", env.id));
+            let cpu_after = cpu_of(env);
+            let redis = env.redis.as_ref().zip(before).map(|(r, b)| {
+                let after = redis_calls(&r.info("commandstats"));
+                (after.0 - b.0, after.1 - b.1)
+            });
+            let envoy_cpu_s = cpu_after.0.zip(cpu_before.0).map(|(a, b)| a - b);
+            let backend_cpu_s = cpu_after.1.zip(cpu_before.1).map(|(a, b)| a - b);
+            eprintln!(
+                "  round {round} S{:<2} {:>8.0} req/s  p50 {:>6.2} ms  p99 {:>6.2} ms  Envoy {:>5.1} µs/req{}{}",
+                env.id,
+                measured.rps(),
+                measured.p50_us as f64 / 1e3,
+                measured.p99_us as f64 / 1e3,
+                envoy_cpu_s.unwrap_or(0.0) * 1e6 / measured.requests.max(1) as f64,
+                redis.map_or(String::new(), |(l, all)| format!(
+                    "  Redis {:.1} FCALL/1k ({:.1} all)",
+                    l as f64 * 1e3 / measured.requests.max(1) as f64,
+                    all as f64 * 1e3 / measured.requests.max(1) as f64
+                )),
+                if measured.non_2xx + measured.socket_errors > 0 {
+                    format!(
+                        "  [{} non-2xx, {} socket errors]",
+                        measured.non_2xx, measured.socket_errors
+                    )
+                } else {
+                    String::new()
+                }
+            );
+            sc.runs.push(Run {
+                round,
+                measured,
+                redis,
+                envoy_cpu_s,
+                backend_cpu_s,
+            });
+        }
+    }
+    for (env, sc) in envs.iter().zip(scenarios.iter_mut()) {
+        sc.envoy_peak_rss = peak_rss(env.envoy.pid());
+        sc.limiter_peak_rss = env.limiter.as_ref().and_then(|l| peak_rss(l.pid()));
+        if env.redis.is_some() {
+            sc.counters = filter_counters(&env.envoy);
+        }
+    }
+    drop(envs);
+    drop(upstream);
+
+    let over_limit = if wanted("7") {
+        eprintln!("  S7: two Envoys, {S7_TENANTS} tenants at {S7_RATE}/s (burst {S7_BURST}), demand ~3 × rate");
+        over_limit(&a)
+    } else {
+        Vec::new()
+    };
+
+    let report = Report {
+        setup,
+        scenarios,
+        over_limit,
+    };
+    let md = report.markdown();
+    println!("{md}");
+    if a.write {
+        std::fs::create_dir_all(&a.out).expect("create the results directory");
+        let json = serde_json::to_string_pretty(&report.json()).expect("JSON");
+        std::fs::write(a.out.join("latest.md"), &md).expect("write latest.md");
+        std::fs::write(a.out.join("latest.json"), json + "\n").expect("write latest.json");
+        eprintln!(
+            "wrote {} and latest.json",
+            a.out.join("latest.md").display()
+        );
+    }
+}
