@@ -112,5 +112,8 @@ bench *args: build-wasm build-limiter-server
     TOLLGATE_LIMITER_BIN=target/server/tollgate-limiter target/server/tollgate-bench {{args}}
 
 # Criterion microbenchmarks of the core and the filter's decision path (ns per operation).
+# Also writes bench/results/micro.{md,json}; args go to criterion (e.g. a name filter).
 bench-micro *args:
     cargo bench --profile server -p tollgate-bench --features micro --bench core -- {{args}}
+    cargo build --profile server -p tollgate-bench
+    target/server/tollgate-bench micro-summary

@@ -86,6 +86,8 @@ pub struct PolicyDoc<'a> {
     pub on_unavailable: &'a str,
     /// `limiter.lease_max` (`1` turns batching off); `None` keeps the default.
     pub lease_max: Option<u64>,
+    /// `limiter.lease_horizon` (e.g. `"1s"`); `None` keeps the default.
+    pub lease_horizon: Option<&'a str>,
 }
 
 /// The shipped global config's failure mode.
@@ -103,6 +105,7 @@ impl PolicyDoc<'_> {
             rate: HUGE,
             on_unavailable: CLOSED,
             lease_max: None,
+            lease_horizon: None,
         }
     }
 
@@ -113,6 +116,7 @@ impl PolicyDoc<'_> {
             rate: HUGE,
             on_unavailable: SHIPPED_FAILURE,
             lease_max,
+            lease_horizon: None,
         }
     }
 
@@ -124,8 +128,12 @@ impl PolicyDoc<'_> {
                 .lease_max
                 .map(|m| format!(", \"lease_max\": {m}"))
                 .unwrap_or_default();
+            let horizon = self
+                .lease_horizon
+                .map(|h| format!(", \"lease_horizon\": \"{h}\""))
+                .unwrap_or_default();
             limiter = format!(
-                ",\n  \"limiter\": {{ \"cluster\": \"tollgate_limiter\", \"timeout\": \"25ms\"{lease_max} }}"
+                ",\n  \"limiter\": {{ \"cluster\": \"tollgate_limiter\", \"timeout\": \"25ms\"{lease_max}{horizon} }}"
             );
         }
         format!(
@@ -197,6 +205,10 @@ mod tests {
             PolicyDoc::local("GET /orders/{id}"),
             PolicyDoc::global(None),
             PolicyDoc::global(Some(1)),
+            PolicyDoc {
+                lease_horizon: Some("1s"),
+                ..PolicyDoc::global(None)
+            },
             PolicyDoc {
                 rate: (100, 20),
                 on_unavailable: CLOSED,

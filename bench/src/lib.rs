@@ -6,6 +6,7 @@
 //! and `/proc` counters, medians, ratios and targets, the report.
 
 pub mod config;
+pub mod micro;
 pub mod report;
 pub mod stats;
 pub mod wrk;

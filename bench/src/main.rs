@@ -6,6 +6,7 @@
 //!   1  Envoy, no rate-limit filter (ceiling)       2  Envoy's local_ratelimit filter
 //!   3  tollgate, no policy matches                 4  tollgate, one local policy
 //!   5  tollgate, one global policy (leases)        6  the same, batching off (lease_max 1)
+//!   5h 5 with leases sized for 1 s of demand instead of 250 ms (`limiter.lease_horizon`)
 //!   1u, 5u: 1 and 5 against a real HTTP upstream instead of a direct response
 //!   7  over limit: two Envoys, paced demand at ~3 × a global policy's rate
 //! 1–6 never deny. Every process is killed when the driver exits (the harness ties children to
@@ -25,6 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tollgate_bench::config::{self, PolicyDoc, CLOSED, ROUTE};
+use tollgate_bench::micro;
 use tollgate_bench::report::{OverLimitRun, Report, Run, Scenario, Setup};
 use tollgate_bench::stats::{cpu_seconds, peak_rss, redis_calls};
 use tollgate_bench::wrk::{self, Load};
@@ -49,6 +51,10 @@ struct Args {
 }
 
 fn args() -> Args {
+    args_from(std::env::args().skip(1).collect())
+}
+
+fn args_from(argv: Vec<String>) -> Args {
     let mut a = Args {
         rounds: 3,
         seconds: 5.0,
@@ -63,7 +69,7 @@ fn args() -> Args {
         out: paths::workspace_root().join("bench/results"),
         write: true,
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = argv.into_iter();
     while let Some(flag) = it.next() {
         let mut value = || {
             it.next()
@@ -169,6 +175,16 @@ fn specs() -> Vec<Spec> {
             title: "tollgate, global, batching off (`lease_max: 1`)",
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::global(Some(1))),
+            upstream: false,
+        },
+        Spec {
+            id: "5h",
+            title: "5 with `lease_horizon: 1s` (default 250ms)",
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc {
+                lease_horizon: Some("1s"),
+                ..PolicyDoc::global(None)
+            }),
             upstream: false,
         },
         Spec {
@@ -364,7 +380,7 @@ fn counting_upstream() -> (Upstream, Counts) {
 const S7_TENANTS: u32 = 10;
 const S7_RATE: u64 = 100;
 const S7_BURST: u64 = 20;
-const S7_CONNECTIONS: u32 = 16;
+const S7_CONNECTIONS: u32 = 20;
 
 /// Scenario 7: two Envoys share one global policy (S7_TENANTS tenants, S7_RATE/s, burst
 /// S7_BURST); each gets half of 3 × the rate, paced; fresh tenants every round.
@@ -399,7 +415,11 @@ fn over_limit(a: &Args) -> Vec<OverLimitRun> {
         .collect();
     // Per instance: 1.5 × rate × tenants requests/s over S7_CONNECTIONS paced connections.
     let per_instance = 1.5 * S7_RATE as f64 * f64::from(S7_TENANTS);
-    let delay_ms = (f64::from(S7_CONNECTIONS) * 1000.0 / per_instance).round() as u64;
+    // Each connection waits `delay` after a response; a response takes ~2 ms here, so the cycle
+    // is delay + 2 ms. The demand actually offered is measured and reported.
+    let delay_ms = (f64::from(S7_CONNECTIONS) * 1000.0 / per_instance - 2.0)
+        .round()
+        .max(1.0) as u64;
     let mut runs = Vec::new();
     for round in 0..a.rounds {
         let prefix = format!("s7r{round}-");
@@ -502,7 +522,34 @@ fn undecided(counters: &[(String, u64)]) -> u64 {
         .map_or(0, |(_, v)| *v)
 }
 
+/// `tollgate-bench micro-summary`: the criterion results as bench/results/micro.{md,json}.
+fn micro_summary(out: &std::path::Path) {
+    let estimates = micro::read(&paths::target_dir().join("criterion"));
+    assert!(
+        !estimates.is_empty(),
+        "no criterion results in target/criterion: run `just bench-micro`"
+    );
+    let header = {
+        let s = setup(&args_from(Vec::new()));
+        format!(
+            "{}, commit `{}`, {}; native code (profile `server`), criterion medians. The filter \
+             runs the same code as wasm32 in V8, several times slower: see README \"Benchmarks\".",
+            s.date, s.commit, s.machine
+        )
+    };
+    let md = micro::markdown(&estimates, &header);
+    println!("{md}");
+    std::fs::create_dir_all(out).expect("create the results directory");
+    std::fs::write(out.join("micro.md"), &md).expect("write micro.md");
+    let json = serde_json::to_string_pretty(&micro::json(&estimates, &header)).expect("JSON");
+    std::fs::write(out.join("micro.json"), json + "\n").expect("write micro.json");
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("micro-summary") {
+        micro_summary(&paths::workspace_root().join("bench/results"));
+        return;
+    }
     let a = args();
     let wanted = |id: &str| a.only.as_ref().map_or(true, |o| o.iter().any(|x| x == id));
     if std::env::var_os("TOLLGATE_LIMITER_BIN").is_none() {

@@ -378,24 +378,32 @@ impl Report {
             .collect();
         md.push('\n');
         if problems.is_empty() {
-            md.push_str(
-                "Every response of scenarios 1–6 was a 200 (no limit denied, no socket error).\n",
-            );
+            md.push_str("Every response was a 200 (no limit denied, no socket error).\n");
         } else {
-            md.push_str(&format!("**Not clean:** {}.\n", problems.join("; ")));
+            md.push_str(&format!(
+                "Responses other than 200 (the policies never deny on rate): {}.\n",
+                problems.join("; ")
+            ));
         }
+        md.push('\n');
         for sc in &self.scenarios {
             let undecided = sc.counter("undecided");
             let leases = sc.counter("lease_requests");
             if leases > 0 || undecided > 0 {
                 md.push_str(&format!(
-                    "S{}: {} lease requests for {} requests; {} decided by the failure mode (limiter too slow or away).\n",
+                    "- S{}: {} lease requests for {} decided requests (warm-up included); {} refused by the filter (429), {} decided by the failure mode.\n",
                     sc.id,
                     leases,
                     sc.counter("decided"),
+                    sc.counter("denied"),
                     undecided
                 ));
             }
+        }
+        if let (Some(cpu4), Some(cpu5)) = (self.cpu_ratio("4", "3"), self.cpu_ratio("5", "3")) {
+            md.push_str(&format!(
+                "- Envoy CPU per request relative to S3 (less sensitive to the load generator's share of the cores than req/s): S4 {cpu4:.2}, S5 {cpu5:.2}.\n"
+            ));
         }
         if !self.over_limit.is_empty() {
             md.push_str(
@@ -584,6 +592,7 @@ mod tests {
 
     #[test]
     fn over_limit_accounting() {
+        assert_eq!(OverLimitRun::default().underuse_pct(), 0.0);
         let r = OverLimitRun {
             seconds: 10.0,
             tenants: 2,

@@ -1,0 +1,105 @@
+//! Summary of the criterion microbenchmarks (`just bench-micro`): reads criterion's
+//! `target/criterion/<group>/<bench>/new/estimates.json` and writes one table of ns per operation.
+
+use std::path::Path;
+
+use serde_json::{json, Value};
+
+/// One benchmark's estimates, in ns per iteration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Estimate {
+    pub group: String,
+    pub bench: String,
+    pub median_ns: f64,
+    pub mean_ns: f64,
+}
+
+/// Every `<group>/<bench>/new/estimates.json` under `criterion_dir`, sorted by name.
+pub fn read(criterion_dir: &Path) -> Vec<Estimate> {
+    let mut out = Vec::new();
+    let Ok(groups) = std::fs::read_dir(criterion_dir) else {
+        return out;
+    };
+    for group in groups.flatten() {
+        let Ok(benches) = std::fs::read_dir(group.path()) else {
+            continue;
+        };
+        for bench in benches.flatten() {
+            let file = bench.path().join("new").join("estimates.json");
+            let Some(v) = std::fs::read_to_string(&file)
+                .ok()
+                .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            else {
+                continue;
+            };
+            let point = |k: &str| v.get(k)?.get("point_estimate")?.as_f64();
+            if let (Some(median_ns), Some(mean_ns)) = (point("median"), point("mean")) {
+                out.push(Estimate {
+                    group: group.file_name().to_string_lossy().into_owned(),
+                    bench: bench.file_name().to_string_lossy().into_owned(),
+                    median_ns,
+                    mean_ns,
+                });
+            }
+        }
+    }
+    out.sort_by(|a, b| (&a.group, &a.bench).cmp(&(&b.group, &b.bench)));
+    out
+}
+
+pub fn markdown(estimates: &[Estimate], header: &str) -> String {
+    let mut md = format!(
+        "# tollgate microbenchmarks (`just bench-micro`)\n\n{header}\n\n\
+         | group | benchmark | median ns/op | mean ns/op |\n|---|---|---:|---:|\n"
+    );
+    for e in estimates {
+        md.push_str(&format!(
+            "| {} | {} | {:.1} | {:.1} |\n",
+            e.group, e.bench, e.median_ns, e.mean_ns
+        ));
+    }
+    md
+}
+
+pub fn json(estimates: &[Estimate], header: &str) -> Value {
+    json!({
+        "setup": header,
+        "benchmarks": estimates.iter().map(|e| json!({
+            "group": e.group,
+            "benchmark": e.bench,
+            "median_ns": e.median_ns,
+            "mean_ns": e.mean_ns,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_criterion_estimates() {
+        let dir = tollgate_e2e::paths::new_log_dir("", "criterion");
+        let bench = dir.join("bucket").join("try_take").join("new");
+        std::fs::create_dir_all(&bench).unwrap_or_default();
+        std::fs::write(
+            bench.join("estimates.json"),
+            r#"{"mean":{"point_estimate":7.7},"median":{"point_estimate":7.5}}"#,
+        )
+        .unwrap_or_default();
+        std::fs::create_dir_all(dir.join("report")).unwrap_or_default();
+        let got = read(&dir);
+        assert_eq!(
+            got,
+            vec![Estimate {
+                group: "bucket".into(),
+                bench: "try_take".into(),
+                median_ns: 7.5,
+                mean_ns: 7.7
+            }]
+        );
+        let md = markdown(&got, "setup");
+        assert!(md.contains("| bucket | try_take | 7.5 | 7.7 |"), "{md}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
