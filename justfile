@@ -8,7 +8,7 @@ wasm := "target/wasm32-wasip1/release/tollgate.wasm"
 default:
     @just --list
 
-# Build the filter (.wasm, release profile: lto, opt-level s, panic=abort, strip).
+# Build the filter (.wasm, release profile: lto, opt-level 3, panic=abort, strip).
 build-wasm:
     cargo build --release --target wasm32-wasip1 -p tollgate
     @ls -l {{wasm}} | awk '{print "built {{wasm}}: " $5 " bytes"}'
