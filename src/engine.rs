@@ -23,10 +23,6 @@ use tollgate_core::response::{self, LocalReply, PolicyStatus};
 /// plugins, so ours must not collide with theirs).
 pub const SHARED_PREFIX: &str = "tollgate/v1/";
 
-/// Rounds of waiting for leases one request may go through before it is refused as over limit
-/// (other requests kept taking the tokens its callouts brought).
-pub const MAX_ROUNDS: u32 = 3;
-
 /// What one policy decided for a request (one metric each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -564,13 +560,6 @@ impl Engine {
                 });
             }
             return self.undecided(policy, record, now_ms, cost);
-        }
-        if attempt.round >= MAX_ROUNDS {
-            return Step::Deny {
-                outcome: Outcome::Denied,
-                remaining: 0.0,
-                retry_ms: 1_000,
-            };
         }
         Step::Need {
             min: cost,

@@ -70,6 +70,10 @@ pub struct Worker {
     queued_returns: Vec<ReturnNeed>,
     /// Bucket ids with a callout in flight on this worker.
     inflight: HashSet<String>,
+    /// Lease requests whose outcome is unknown (timed out, reset, 503: the limiter may have
+    /// applied them), by bucket id: the next request for that key reuses the id, so the
+    /// limiter's dedup record answers with what it granted then and no grant is lost.
+    unsettled: HashMap<String, (u64, String)>,
     callouts: HashMap<u32, Callout>,
     waiters: HashMap<u32, Waiter>,
     ticking: bool,
@@ -84,6 +88,7 @@ impl Worker {
             queued: Vec::new(),
             queued_returns: Vec::new(),
             inflight: HashSet::new(),
+            unsettled: HashMap::new(),
             callouts: HashMap::new(),
             waiters: HashMap::new(),
             ticking: false,
@@ -157,14 +162,39 @@ impl Worker {
         };
         let mut batch: Vec<(LeaseNeed, u64, String)> = Vec::new();
         for need in std::mem::take(&mut self.queued) {
-            if self.inflight.contains(&need.bucket_id)
-                || batch.iter().any(|(n, _, _)| n.bucket_id == need.bucket_id)
-            {
+            if self.inflight.contains(&need.bucket_id) {
                 continue;
             }
-            self.next_seq += 1;
-            let id = global::lease_id(self.instance, self.next_seq);
-            batch.push((need, self.next_seq, id));
+            if let Some((queued, _, _)) = batch
+                .iter_mut()
+                .find(|(n, _, _)| n.bucket_id == need.bucket_id)
+            {
+                // One callout per key: it must cover the biggest single request.
+                queued.min = queued.min.max(need.min);
+                queued.want = queued.want.max(need.want);
+                queued.blocking |= need.blocking;
+                continue;
+            }
+            let (seq, id) = match self.unsettled.get(&need.bucket_id) {
+                Some(unsettled) => unsettled.clone(),
+                None => {
+                    self.next_seq += 1;
+                    (
+                        self.next_seq,
+                        global::lease_id(self.instance, self.next_seq),
+                    )
+                }
+            };
+            batch.push((need, seq, id));
+        }
+        for (need, _, _) in batch.iter_mut() {
+            // Every request waiting for this key on this worker is served by this one callout,
+            // so it asks for at least their total cost (real demand, not a speculative batch:
+            // `lease_max` does not cap it; the limiter caps it at the burst).
+            need.want = need
+                .want
+                .max(self.waiting_demand(&need.bucket_id))
+                .max(need.min);
         }
         while !batch.is_empty() {
             let rest = batch.split_off(batch.len().min(MAX_BATCH));
@@ -248,6 +278,16 @@ impl Worker {
         self.update_tick(host);
     }
 
+    /// Total cost of the requests on this worker waiting for `bucket_id`'s lease.
+    fn waiting_demand(&self, bucket_id: &str) -> u64 {
+        self.waiters
+            .values()
+            .filter(|w| w.waiting_for.iter().any(|b| b == bucket_id))
+            .flat_map(|w| w.plan.enforced.iter().filter(|m| m.bucket_id == bucket_id))
+            .map(|m| m.cost)
+            .sum()
+    }
+
     /// A blocking callout may not outlive the earliest deadline of the requests waiting for it.
     fn callout_timeout(
         &self,
@@ -316,6 +356,7 @@ impl Worker {
                     Err(error) => {
                         metrics.callout(now_ms.saturating_sub(sent_ms), true);
                         log_failure(&error);
+                        self.unsettle(&items);
                         self.fail_leases(engine, store, metrics, &items, now_ms);
                     }
                 }
@@ -370,6 +411,15 @@ impl Worker {
                 LeaseResult::Error(e) => &e.id == id,
             });
             match result {
+                Some(LeaseResult::Granted(_)) => {
+                    self.unsettled.remove(&need.bucket_id);
+                }
+                Some(LeaseResult::Error(e)) if e.error != ErrorCode::Unavailable => {
+                    self.unsettled.remove(&need.bucket_id);
+                }
+                _ => self.unsettle(std::slice::from_ref(&(need.clone(), *seq, id.clone()))),
+            }
+            match result {
                 Some(LeaseResult::Granted(grant)) => {
                     metrics.lease(need.policy, LeaseEvent::Granted(grant.granted));
                     if let Err(error) = engine.credit(store, need, grant, *seq, now_ms) {
@@ -393,6 +443,16 @@ impl Worker {
                     metrics.lease(need.policy, LeaseEvent::Unavailable);
                     let _ = engine.mark_unavailable(store, need, now_ms);
                 }
+            }
+        }
+    }
+
+    /// Remembers lease requests whose outcome is unknown, to be asked again under the same id.
+    fn unsettle(&mut self, items: &[(LeaseNeed, u64, String)]) {
+        for (need, seq, id) in items {
+            if self.unsettled.len() < MAX_WAITERS || self.unsettled.contains_key(&need.bucket_id) {
+                self.unsettled
+                    .insert(need.bucket_id.clone(), (*seq, id.clone()));
             }
         }
     }

@@ -224,7 +224,10 @@ pub struct LimiterSpec {
 }
 
 fn default_lease_horizon() -> Millis {
-    Millis(250)
+    // `just bench`: 1 s halves the Redis calls of 250 ms (14 vs 30 per 1,000 requests over 100
+    // Zipf-distributed tenants) for no measurable under-use at the limit, where leases shrink to
+    // the request's cost anyway.
+    Millis(1_000)
 }
 
 fn default_lease_max() -> u64 {

@@ -56,6 +56,8 @@ impl Host for FakeHost {
 struct FakeLimiter {
     buckets: RefCell<HashMap<String, BucketState>>,
     capacity: u64,
+    /// Lease ids already decided: a repeated id answers the same, taking nothing (dedup).
+    seen: RefCell<HashMap<String, LeaseResult>>,
 }
 
 impl FakeLimiter {
@@ -66,17 +68,22 @@ impl FakeLimiter {
             .leases
             .iter()
             .map(|r| {
+                if let Some(result) = self.seen.borrow().get(&r.id) {
+                    return result.clone();
+                }
                 let k = format!("{}:{}", r.policy, r.key);
                 let state = self.buckets.borrow().get(&k).copied();
                 let (next, grant) = lease(&limits, state, now, r.min, r.want);
                 self.buckets.borrow_mut().insert(k, next);
-                LeaseResult::Granted(LeaseGranted {
+                let result = LeaseResult::Granted(LeaseGranted {
                     id: r.id.clone(),
                     granted: grant.granted,
                     remaining: grant.remaining,
                     retry_after_ms: grant.retry_after_ms,
                     expires_ms: 2_000,
-                })
+                });
+                self.seen.borrow_mut().insert(r.id.clone(), result.clone());
+                result
             })
             .collect();
         serde_json::to_vec(&LeaseBatchResponse {
@@ -130,6 +137,7 @@ impl Rig {
             limiter: FakeLimiter {
                 buckets: RefCell::new(HashMap::new()),
                 capacity: 100,
+                seen: RefCell::new(HashMap::new()),
             },
         }
     }
@@ -406,4 +414,62 @@ fn an_unknown_cluster_is_unavailable_not_a_hang() {
     assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
     assert_eq!(rig.host.replied.borrow().as_slice(), &[(1, 503)]);
     assert_eq!(rig.worker.waiting(), 0);
+}
+
+#[test]
+fn requests_waiting_for_a_key_are_served_in_few_callouts_and_never_refused() {
+    // Batching off (lease_max 1). Five requests arrive while the first callout is in flight;
+    // it brings one token. The other four wait for one more callout that asks for all of them —
+    // not a 429 each, and not four callouts.
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 1));
+    for context in 1..=5 {
+        assert_eq!(rig.request(context, "t", 0), Verdict::Wait);
+    }
+    assert_eq!(rig.host.sent.borrow().len(), 1);
+    rig.answer_all(1);
+    assert_eq!(rig.host.resumed.borrow().len(), 1);
+    let second: LeaseBatch = serde_json::from_slice(&rig.host.sent.borrow()[0].2).unwrap();
+    assert_eq!((second.leases[0].min, second.leases[0].want), (1, 4));
+    rig.answer_all(2);
+    let mut resumed = rig.host.resumed.borrow().clone();
+    resumed.sort();
+    assert_eq!(resumed, vec![1, 2, 3, 4, 5]);
+    assert!(rig.host.replied.borrow().is_empty());
+}
+
+#[test]
+fn a_lease_whose_answer_was_lost_is_asked_again_under_its_id() {
+    // The limiter applies the lease but the answer never arrives (Envoy times the callout out).
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    rig.limiter.capacity = 10;
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    let (token, _, body, _) = rig.host.sent.borrow_mut().remove(0);
+    let first: LeaseBatch = serde_json::from_slice(&body).unwrap();
+    let _applied_but_lost = rig.limiter.answer(&body, 0);
+    rig.worker.complete(
+        token,
+        Some(504),
+        b"",
+        &rig.engine,
+        &rig.store,
+        &rig.metrics,
+        &rig.host,
+        30,
+    );
+    assert_eq!(rig.host.replied.borrow().as_slice(), &[(1, 503)]);
+    // After the backoff, the next request for the key asks again with the same id, and the
+    // limiter's dedup record hands over what it granted the first time.
+    assert_eq!(rig.request(2, "t", 600), Verdict::Wait);
+    let again: LeaseBatch = serde_json::from_slice(&rig.host.sent.borrow()[0].2).unwrap();
+    assert_eq!(again.leases[0].id, first.leases[0].id);
+    rig.answer_all(601);
+    assert_eq!(rig.host.resumed.borrow().as_slice(), &[2]);
+    assert_eq!(sink::value("tollgate_tokens_granted.policy.g"), 4);
+    // Settled: the next lease has a new id.
+    for i in 0..4 {
+        let _ = rig.request(10 + i, "t", 602);
+        rig.answer_all(603);
+    }
+    let ids: Vec<String> = rig.limiter.seen.borrow().keys().cloned().collect();
+    assert!(ids.len() >= 2, "{ids:?}");
 }
