@@ -93,14 +93,25 @@ impl Limiter {
             }
         }
         let mut process = ChildProcess::spawn("limiter", cmd, dir)?;
+        // Ready when *this* process says it listens on the port and /healthz answers: a
+        // /healthz alone could come from whatever else took the port (an Envoy listener of
+        // another test, which proxies anything to its upstream), and callouts would go there.
+        let listening = format!("127.0.0.1:{port}");
         let ready = process::wait_for("limiter /healthz", Duration::from_secs(15), || {
             if !process.is_running() {
                 return Some(false);
             }
+            let logs = process.stderr() + &process.stdout();
+            if !logs
+                .lines()
+                .any(|l| l.contains("tollgate limiter listening") && l.contains(&listening))
+            {
+                return None;
+            }
             http_blocking::get(port, "/healthz", Duration::from_millis(500))
                 .ok()
                 .filter(|r| r.status == 200)
-                .map(|_| true)
+                .map(|_| process.is_running())
         });
         match ready {
             Ok(true) => Ok(Limiter {

@@ -52,7 +52,11 @@ fn global_policy(units: u64, per: &str, burst: u64, failure: &str, limiter: &str
     )
 }
 
+/// The fault tests' limiter settings: a callout deadline of 100 ms (see `TIMEOUT_MS`).
 const LIMITER: &str = r#"{ "cluster": "tollgate_limiter", "timeout": "100ms" }"#;
+/// The accounting tests' limiter settings: exactness is what they check, so a loaded machine
+/// must not turn a slow callout into a failure-mode decision.
+const PATIENT: &str = r#"{ "cluster": "tollgate_limiter", "timeout": "2s" }"#;
 const CLOSED: &str = r#"{ "mode": "closed" }"#;
 
 fn item(tenant: &str, i: usize) -> RequestSpec {
@@ -89,7 +93,7 @@ fn statuses(responses: &[Response]) -> BTreeMap<u16, usize> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_across_two_instances_stays_within_the_global_budget() {
     let redis = RedisServer::start();
-    let policy = global_policy(1, "1h", 100, CLOSED, LIMITER);
+    let policy = global_policy(1, "1h", 100, CLOSED, PATIENT);
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
     let upstream = Upstream::start();
     let (a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
@@ -125,7 +129,7 @@ async fn sustained_demand_at_five_times_the_rate_is_held_to_the_rate() {
     let redis = RedisServer::start();
     let rate = 100;
     let burst_size = 20;
-    let policy = global_policy(rate, "1s", burst_size, CLOSED, LIMITER);
+    let policy = global_policy(rate, "1s", burst_size, CLOSED, PATIENT);
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
     let upstream = Upstream::start();
     let (_a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
@@ -183,7 +187,7 @@ async fn two_policies_and_weighted_cost_are_all_or_nothing() {
        "rate": {{ "units": 1, "per": "1h" }}, "burst": 10, "cost": {{ "POST /exports": 5 }},
        "scope": "global", "on_unavailable": {CLOSED} }}
   ],
-  "limiter": {LIMITER}
+  "limiter": {PATIENT}
 }}"#
     );
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
@@ -215,7 +219,7 @@ async fn two_policies_and_weighted_cost_are_all_or_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shadow_global_policy_admits_all_and_counts() {
     let redis = RedisServer::start();
-    let policy = global_policy(1, "1h", 10, CLOSED, LIMITER).replace(
+    let policy = global_policy(1, "1h", 10, CLOSED, PATIENT).replace(
         "\"scope\": \"global\",",
         "\"scope\": \"global\", \"enforce\": false,",
     );
@@ -271,7 +275,7 @@ fn redis_calls(redis: &RedisServer) -> (u64, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batching_keeps_redis_commands_far_below_requests() {
     let redis = RedisServer::start();
-    let policy = global_policy(1_000, "1s", 1_000, CLOSED, LIMITER);
+    let policy = global_policy(1_000, "1s", 1_000, CLOSED, PATIENT);
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
     let upstream = Upstream::start();
     let (_envoy, port) = start_envoy(&policy, &upstream, limiter.port(), 2);
