@@ -157,6 +157,23 @@ impl PolicyDoc<'_> {
     }
 }
 
+/// The filter's default `limiter.lease_horizon`, in ms (as `tollgate-core` parses it).
+pub fn default_lease_horizon_ms() -> Option<u64> {
+    let doc = PolicyDoc::global(None).json();
+    let policies = tollgate_core::policy::Policies::from_json(doc.as_bytes()).ok()?;
+    policies.limiter.map(|l| l.lease_horizon.0)
+}
+
+/// The horizon scenario 5h compares with the default: 1 s when the default is shorter, else
+/// the former default, 250 ms.
+pub fn contrasting_horizon(default_ms: u64) -> &'static str {
+    if default_ms < 1_000 {
+        "1s"
+    } else {
+        "250ms"
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,6 +213,16 @@ mod tests {
         }
         assert!(direct_response("nothing").is_err());
         assert!(without_wasm("nothing").is_err());
+    }
+
+    #[test]
+    fn the_horizon_variant_differs_from_the_default() {
+        let default = default_lease_horizon_ms().unwrap_or(0);
+        assert!(default > 0);
+        let other = tollgate_core::duration::Millis::parse(contrasting_horizon(default))
+            .map(|m| m.0)
+            .unwrap_or(default);
+        assert_ne!(other, default);
     }
 
     #[test]

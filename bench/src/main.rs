@@ -110,7 +110,7 @@ fn args_from(argv: Vec<String>) -> Args {
 /// One scenario's processes.
 struct Env {
     id: &'static str,
-    title: &'static str,
+    title: String,
     envoy: Envoy,
     port: u16,
     redis: Option<RedisServer>,
@@ -126,7 +126,7 @@ enum Filter {
 
 struct Spec {
     id: &'static str,
-    title: &'static str,
+    title: String,
     filter: Filter,
     /// Policy document for tollgate; global ones get a limiter and Redis.
     policy: Option<PolicyDoc<'static>>,
@@ -134,69 +134,71 @@ struct Spec {
 }
 
 fn specs() -> Vec<Spec> {
+    let default_ms = config::default_lease_horizon_ms().expect("the test policy is valid");
+    let horizon = config::contrasting_horizon(default_ms);
     vec![
         Spec {
             id: "1",
-            title: "Envoy, no rate-limit filter (ceiling)",
+            title: "Envoy, no rate-limit filter (ceiling)".into(),
             filter: Filter::None,
             policy: None,
             upstream: false,
         },
         Spec {
             id: "2",
-            title: "Envoy `local_ratelimit` (never denying)",
+            title: "Envoy `local_ratelimit` (never denying)".into(),
             filter: Filter::Native,
             policy: None,
             upstream: false,
         },
         Spec {
             id: "3",
-            title: "tollgate, no policy matches",
+            title: "tollgate, no policy matches".into(),
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::local("GET /orders/{id}")),
             upstream: false,
         },
         Spec {
             id: "4",
-            title: "tollgate, one local policy",
+            title: "tollgate, one local policy".into(),
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::local(ROUTE)),
             upstream: false,
         },
         Spec {
             id: "5",
-            title: "tollgate, one global policy, leases (limiter + Redis)",
+            title: "tollgate, one global policy, leases (limiter + Redis)".into(),
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::global(None)),
             upstream: false,
         },
         Spec {
             id: "6",
-            title: "tollgate, global, batching off (`lease_max: 1`)",
+            title: "tollgate, global, batching off (`lease_max: 1`)".into(),
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::global(Some(1))),
             upstream: false,
         },
         Spec {
             id: "5h",
-            title: "5 with `lease_horizon: 1s` (default 250ms)",
+            title: format!("5 with `lease_horizon: {horizon}` (default {default_ms} ms)"),
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc {
-                lease_horizon: Some("1s"),
+                lease_horizon: Some(horizon),
                 ..PolicyDoc::global(None)
             }),
             upstream: false,
         },
         Spec {
             id: "1u",
-            title: "1 against a real HTTP upstream",
+            title: "1 against a real HTTP upstream".into(),
             filter: Filter::None,
             policy: None,
             upstream: true,
         },
         Spec {
             id: "5u",
-            title: "5 against a real HTTP upstream",
+            title: "5 against a real HTTP upstream".into(),
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::global(None)),
             upstream: true,
@@ -253,7 +255,7 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
     let port = envoy.listener_port("ingress");
     Env {
         id: spec.id,
-        title: spec.title,
+        title: spec.title.clone(),
         envoy,
         port,
         redis,
@@ -596,7 +598,7 @@ fn main() {
         .iter()
         .map(|e| Scenario {
             id: e.id.into(),
-            title: e.title.into(),
+            title: e.title.clone(),
             ..Scenario::default()
         })
         .collect();
