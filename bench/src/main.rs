@@ -336,7 +336,19 @@ fn setup(a: &Args) -> Setup {
         .nth(1)
         .and_then(|v| v.split('/').nth(1))
         .map_or("Envoy".to_string(), |v| format!("Envoy {v}"));
-    let dirty = !command_line("git", &["status", "--porcelain", "--untracked-files=no"]).is_empty();
+    // Results written by an earlier run do not make the measured code "changed".
+    let dirty = !command_line(
+        "git",
+        &[
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            ":!bench/results",
+        ],
+    )
+    .is_empty();
     Setup {
         date: command_line("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
         commit: format!(
