@@ -49,8 +49,9 @@ impl SharedData for HostSharedData {
     }
 }
 
-/// An in-process stand-in with Envoy's semantics, for unit tests of the table logic.
-#[cfg(test)]
+/// An in-process stand-in with Envoy's semantics, for unit tests and benchmarks of the table
+/// logic (feature `memory-shared-data` outside this crate's tests).
+#[cfg(any(test, feature = "memory-shared-data"))]
 #[derive(Debug, Default)]
 pub struct MemorySharedData {
     map: std::cell::RefCell<std::collections::HashMap<String, (Vec<u8>, u32)>>,
@@ -59,7 +60,7 @@ pub struct MemorySharedData {
     pub interfere_once: std::cell::RefCell<Option<String>>,
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "memory-shared-data"))]
 impl MemorySharedData {
     fn stamp(&self) -> u32 {
         let next = self.next_cas.get().wrapping_add(1).max(1);
@@ -80,7 +81,7 @@ impl MemorySharedData {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "memory-shared-data"))]
 impl SharedData for MemorySharedData {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), ReadError> {
         Ok(match self.map.borrow().get(key) {

@@ -17,55 +17,18 @@
     clippy::indexing_slicing
 )]
 
-use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use tollgate::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
 use tollgate::request::{RequestFacts, RequestSource};
-use tollgate::shared::{ReadError, SharedData, WriteError};
+use tollgate::shared::MemorySharedData;
 use tollgate::table::SlotTable;
 use tollgate_core::bucket::{give_back, lease, try_take, BucketState, Limits};
 use tollgate_core::key::{escape_part, join_parts, local_bucket_id};
 use tollgate_core::policy::Policies;
 use tollgate_core::protocol::LeaseGranted;
-
-/// Shared data with Envoy's semantics (see `tollgate::shared`), in memory.
-#[derive(Default)]
-struct Memory {
-    map: RefCell<HashMap<String, (Vec<u8>, u32)>>,
-    stamp: Cell<u32>,
-}
-
-impl SharedData for Memory {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), ReadError> {
-        Ok(match self.map.borrow().get(key) {
-            Some((v, cas)) => (Some(v.clone()), Some(*cas)),
-            None => (None, None),
-        })
-    }
-
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), WriteError> {
-        let stamp = self.stamp.get().wrapping_add(1).max(1);
-        self.stamp.set(stamp);
-        let mut map = self.map.borrow_mut();
-        match map.get_mut(key) {
-            Some(entry) => {
-                if let Some(cas) = cas.filter(|c| *c != 0) {
-                    if cas != entry.1 {
-                        return Err(WriteError::CasMismatch);
-                    }
-                }
-                *entry = (value.to_vec(), stamp);
-            }
-            None => {
-                map.insert(key.to_string(), (value.to_vec(), stamp));
-            }
-        }
-        Ok(())
-    }
-}
 
 struct Request {
     headers: HashMap<&'static str, Vec<u8>>,
@@ -169,7 +132,7 @@ fn matching(c: &mut Criterion) {
             })
         });
     }
-    let store = Memory::default();
+    let store = MemorySharedData::default();
     let table = SlotTable::open(&store, SHARED_PREFIX, 4096, 7).unwrap();
     let engine = Engine::new(policies, table);
     let req = request("tenant-42");
@@ -207,7 +170,7 @@ fn request_path(c: &mut Criterion) {
     let f = facts("/items/42");
     let tenants: Vec<Request> = (0..100).map(|t| request(&format!("tenant-{t}"))).collect();
 
-    let store = Memory::default();
+    let store = MemorySharedData::default();
     let table = SlotTable::open(&store, SHARED_PREFIX, 4096, 7).unwrap();
     let local = Engine::new(one_policy("local"), table);
     let mut i = 0usize;
@@ -221,7 +184,7 @@ fn request_path(c: &mut Criterion) {
         })
     });
 
-    let store = Memory::default();
+    let store = MemorySharedData::default();
     let table = SlotTable::open(&store, SHARED_PREFIX, 4096, 7).unwrap();
     let global = Engine::new(one_policy("global"), table);
     for req in &tenants {
