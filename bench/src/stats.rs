@@ -1,33 +1,5 @@
-//! Counters read around a run: Redis `INFO commandstats`, a process's peak RSS.
-
-/// Redis calls so far: `(from the limiter, all)`. "From the limiter" are the bucket
-/// transitions it issues (`FCALL`/`FCALL_RO`, or `EVALSHA`/`EVAL`); "all" also counts what the
-/// Function runs inside Redis (`TIME`, `HMGET`, `HSET`, `PEXPIRE`, ...), which `INFO` lists too,
-/// and the limiter's housekeeping (`DBSIZE`, `FUNCTION`). Our own `INFO` calls are left out.
-pub fn redis_calls(commandstats: &str) -> (u64, u64) {
-    let mut limiter = 0;
-    let mut all = 0;
-    for line in commandstats.lines() {
-        let Some(rest) = line.trim().strip_prefix("cmdstat_") else {
-            continue;
-        };
-        let name = rest.split(':').next().unwrap_or("");
-        let calls: u64 = rest
-            .split("calls=")
-            .nth(1)
-            .and_then(|v| v.split(',').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        if name == "info" {
-            continue;
-        }
-        all += calls;
-        if matches!(name, "fcall" | "fcall_ro" | "evalsha" | "eval") {
-            limiter += calls;
-        }
-    }
-    (limiter, all)
-}
+//! Counters read around a run: a process's CPU time and peak RSS (Redis calls come from
+//! `tollgate_e2e::redis::commandstats_calls`).
 
 /// CPU time a process has used so far (user + system), in seconds.
 pub fn cpu_seconds(pid: u32) -> Option<f64> {
@@ -66,17 +38,6 @@ pub fn peak_rss(pid: u32) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn counts_limiter_calls_and_all_commands() {
-        let info = "# Commandstats\r\n\
-            cmdstat_fcall:calls=10,usec=100,usec_per_call=10.00,rejected_calls=0,failed_calls=0\r\n\
-            cmdstat_hset:calls=20,usec=20,usec_per_call=1.00,rejected_calls=0,failed_calls=0\r\n\
-            cmdstat_time:calls=10,usec=5,usec_per_call=0.50,rejected_calls=0,failed_calls=0\r\n\
-            cmdstat_info:calls=99,usec=5,usec_per_call=0.05,rejected_calls=0,failed_calls=0\r\n";
-        assert_eq!(redis_calls(info), (10, 40));
-        assert_eq!(redis_calls(""), (0, 0));
-    }
 
     #[test]
     fn reads_our_own_cpu_time() {

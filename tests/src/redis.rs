@@ -175,6 +175,36 @@ fn read_resp(r: &mut impl BufRead) -> std::io::Result<Resp> {
     }
 }
 
+/// Redis calls in `INFO commandstats` text: `(bucket transitions, all commands)`. A bucket
+/// transition is what the limiter issues (`FCALL`/`FCALL_RO`, or `EVALSHA`/`EVAL`); "all" also
+/// counts what the Function runs inside Redis (`TIME`, `HMGET`, `HSET`, `PEXPIRE`, ...), which
+/// `INFO` lists too, and the limiter's housekeeping (`DBSIZE`, `FUNCTION`). The harness's own
+/// `INFO` and `PING` calls are left out.
+pub fn commandstats_calls(commandstats: &str) -> (u64, u64) {
+    let mut transitions = 0;
+    let mut all = 0;
+    for line in commandstats.lines() {
+        let Some(rest) = line.trim().strip_prefix("cmdstat_") else {
+            continue;
+        };
+        let name = rest.split(':').next().unwrap_or("");
+        if matches!(name, "info" | "ping") {
+            continue;
+        }
+        let calls: u64 = rest
+            .split("calls=")
+            .nth(1)
+            .and_then(|v| v.split(',').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        all += calls;
+        if matches!(name, "fcall" | "fcall_ro" | "evalsha" | "eval") {
+            transitions += calls;
+        }
+    }
+    (transitions, all)
+}
+
 /// `field` from `INFO` text (`field:value` lines).
 pub fn info_field(info: &str, field: &str) -> Option<String> {
     info.lines().find_map(|l| {
@@ -895,6 +925,18 @@ impl RedisCluster {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_limiter_calls_and_all_commands() {
+        let info = "# Commandstats\r\n\
+            cmdstat_fcall:calls=10,usec=100,usec_per_call=10.00,rejected_calls=0,failed_calls=0\r\n\
+            cmdstat_hset:calls=20,usec=20,usec_per_call=1.00,rejected_calls=0,failed_calls=0\r\n\
+            cmdstat_time:calls=10,usec=5,usec_per_call=0.50,rejected_calls=0,failed_calls=0\r\n\
+            cmdstat_info:calls=99,usec=5,usec_per_call=0.05,rejected_calls=0,failed_calls=0\r\n\
+            cmdstat_ping:calls=7,usec=1,usec_per_call=0.14,rejected_calls=0,failed_calls=0\r\n";
+        assert_eq!(commandstats_calls(info), (10, 40));
+        assert_eq!(commandstats_calls(""), (0, 0));
+    }
 
     #[test]
     fn parses_resp() {

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tollgate_e2e::client::{burst_detailed, try_send_timeout};
+use tollgate_e2e::redis::commandstats_calls;
 use tollgate_e2e::tollgate::{envoy_config, policy_block, prometheus_value, Limiter, Store};
 use tollgate_e2e::upstream::MockResponse;
 use tollgate_e2e::{
@@ -244,32 +245,9 @@ async fn shadow_global_policy_admits_all_and_counts() {
     assert!(shadow >= 20, "{shadow}");
 }
 
-/// Calls per command from INFO commandstats: `(bucket transitions, all commands)`. A bucket
-/// transition is one FCALL (or EVALSHA) from the limiter; "all" also counts the commands the
-/// Function runs inside Redis (HMGET, HSET, PEXPIRE, TIME), which INFO lists too.
+/// `(bucket transitions, all commands)` so far, from INFO commandstats.
 fn redis_calls(redis: &RedisServer) -> (u64, u64) {
-    let mut transitions = 0;
-    let mut all = 0;
-    for line in redis.info("commandstats").lines() {
-        let Some(rest) = line.strip_prefix("cmdstat_") else {
-            continue;
-        };
-        let name = rest.split(':').next().unwrap_or("");
-        let calls: u64 = rest
-            .split("calls=")
-            .nth(1)
-            .and_then(|v| v.split(',').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        if matches!(name, "info" | "ping") {
-            continue;
-        }
-        all += calls;
-        if matches!(name, "fcall" | "fcall_ro" | "evalsha" | "eval") {
-            transitions += calls;
-        }
-    }
-    (transitions, all)
+    commandstats_calls(&redis.info("commandstats"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
