@@ -201,6 +201,8 @@ mod tests {
             remaining: 10.0,
             retry_after_ms: 0,
             expires_ms: 2_000,
+            share_per_s: 0.0,
+            period_ms: 0,
         };
         apply_grant(&mut record, &grant, 7, 1_000);
         assert_eq!(record.lease.tokens, 30);

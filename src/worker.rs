@@ -210,6 +210,8 @@ impl Worker {
                         min: need.min,
                         want: need.want,
                         group: None,
+                        holder: None,
+                        demand_per_s: None,
                     })
                 })
                 .collect();

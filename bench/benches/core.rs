@@ -204,6 +204,8 @@ fn request_path(c: &mut Criterion) {
             remaining: 0.0,
             retry_after_ms: 0,
             expires_ms: 1_000_000_000,
+            share_per_s: 0.0,
+            period_ms: 0,
         };
         global.credit(&store, &need, &grant, 1, 10_000).unwrap();
     }

@@ -4,6 +4,7 @@
 //! argument (milliseconds), storage is the caller's business. That keeps the rules testable
 //! natively and on `wasm32-wasip1` alike.
 
+pub mod assign;
 pub mod bucket;
 pub mod duration;
 pub mod identity;

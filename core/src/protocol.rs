@@ -39,14 +39,16 @@ impl ErrorCode {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseBatch {
     pub leases: Vec<LeaseRequest>,
 }
 
-/// Ask for `granted ∈ {0} ∪ [min, want]` tokens of bucket (`policy`, `key`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Ask for `granted ∈ {0} ∪ [min, want]` tokens of bucket (`policy`, `key`), or, when the
+/// bucket cannot give `want` and the asker names itself (`holder`), an assignment: a share of
+/// the bucket's refill rate for a period, sized by `demand_per_s` (see [`crate::assign`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRequest {
     /// Unique per logical request; a retry with the same id is applied once.
@@ -61,6 +63,13 @@ pub struct LeaseRequest {
     /// tenant-wide and a route limit of one tenant are decided together even on a cluster.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<String>,
+    /// The asking instance (stable for its lifetime, `[0-9a-f-]`, at most
+    /// [`crate::assign::MAX_HOLDER_BYTES`]): only a named holder can receive an assignment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    /// The holder's offered demand for this key, units per second (admitted and denied).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub demand_per_s: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -89,6 +98,21 @@ pub struct LeaseGranted {
     pub retry_after_ms: u64,
     /// How long the lease may be spent before its tokens count as expired.
     pub expires_ms: u64,
+    /// An assignment: besides `granted`, the holder may spend this many units per second,
+    /// accruing from when it receives the answer, for `period_ms` (absent: none).
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub share_per_s: f64,
+    /// Length of the assignment (absent without one).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub period_ms: u64,
+}
+
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
+}
+
+fn is_zero_u64(x: &u64) -> bool {
+    *x == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

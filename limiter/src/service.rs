@@ -282,6 +282,8 @@ impl<S: Store> Service<S> {
                                 remaining: grant.remaining,
                                 retry_after_ms: grant.retry_after_ms,
                                 expires_ms,
+                                share_per_s: 0.0,
+                                period_ms: 0,
                             }));
                         }
                     }

@@ -81,6 +81,8 @@ impl FakeLimiter {
                     remaining: grant.remaining,
                     retry_after_ms: grant.retry_after_ms,
                     expires_ms: 2_000,
+                    share_per_s: 0.0,
+                    period_ms: 0,
                 });
                 self.seen.borrow_mut().insert(r.id.clone(), result.clone());
                 result
