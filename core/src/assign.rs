@@ -134,7 +134,8 @@ pub fn current(limits: &Limits, state: Option<BucketState>, now_ms: u64) -> Buck
 }
 
 /// Decides one ask against a bucket and its holdings (mutated in place: expired holdings are
-/// dropped, the asker's is replaced). Returns the bucket's next state and the answer.
+/// dropped, the rest sorted by holder id, the asker's moved to the end with its new terms).
+/// Returns the bucket's next state and the answer.
 pub fn allot(
     limits: &Limits,
     state: Option<BucketState>,
@@ -147,6 +148,8 @@ pub fn allot(
     let cap = limits.capacity();
     let rate = limits.refill_per_ms();
     holdings.retain(|h| h.ends_ms > now_ms);
+    // One order for every store (sums of floats depend on it): by holder id.
+    holdings.sort_by(|a, b| a.holder.cmp(&b.holder));
 
     // The asker's running assignment ends now: its undripped rest goes back to the bucket.
     let mut had_holding = false;
