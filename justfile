@@ -69,8 +69,8 @@ lint:
 # Every test: lint, unit + property + end-to-end (real Envoy, real Redis), core on wasm32.
 test: lint build-wasm
     cargo build -p tollgate-limiter
-    cargo test --workspace
-    cargo test -p tollgate-core --target wasm32-wasip1
+    # Every suite runs even when an earlier one fails; the recipe fails at the end if any did.
+    status=0; cargo test --workspace --no-fail-fast || status=1; cargo test -p tollgate-core --target wasm32-wasip1 || status=1; exit $status
 
 # Outputs target/oci/tollgate/ (OCI layout), target/oci/tollgate.tar (oci-archive) and
 # target/oci/tollgate.digest (what WasmPlugin.sha256 pins). Push with
