@@ -9,7 +9,7 @@ use crate::metrics::Metrics;
 use crate::request::{RequestFacts, RequestSource};
 use crate::shared::{HostSharedData, SharedData, WriteError};
 use crate::table::SlotTable;
-use crate::worker::{Host, ResponseHeaders, Worker};
+use crate::worker::{Ctx, Host, ResponseHeaders, Worker};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
@@ -28,6 +28,19 @@ struct Configured {
     metrics: Metrics,
     worker: RefCell<Worker>,
     queue: Option<u32>,
+}
+
+impl Configured {
+    /// The worker's view of one root-context event, at the host's current time.
+    fn ctx<'a>(&'a self, host: &'a RootHost) -> Ctx<'a, HostSharedData, RootHost> {
+        Ctx {
+            engine: &self.engine,
+            store: &HostSharedData,
+            metrics: &self.metrics,
+            host,
+            now_ms: now_ms(),
+        }
+    }
 }
 
 /// One per VM (per worker): owns the configuration and the worker's callouts.
@@ -132,16 +145,7 @@ impl Context for Root {
         };
         let host = self.host(&configured);
         if let Ok(mut worker) = configured.worker.try_borrow_mut() {
-            worker.complete(
-                token_id,
-                status,
-                &body,
-                &configured.engine,
-                &HostSharedData,
-                &configured.metrics,
-                &host,
-                now_ms(),
-            );
+            worker.complete(token_id, status, &body, &configured.ctx(&host));
         };
     }
 }
@@ -174,13 +178,7 @@ impl RootContext for Root {
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
         let host = self.host(&configured);
         if let Ok(mut worker) = configured.worker.try_borrow_mut() {
-            worker.flush(
-                &configured.engine,
-                &HostSharedData,
-                &configured.metrics,
-                &host,
-                now_ms(),
-            );
+            worker.flush(&configured.ctx(&host));
         };
     }
 
@@ -190,13 +188,7 @@ impl RootContext for Root {
         };
         let host = self.host(&configured);
         if let Ok(mut worker) = configured.worker.try_borrow_mut() {
-            worker.tick(
-                &configured.engine,
-                &HostSharedData,
-                &configured.metrics,
-                &host,
-                now_ms(),
-            );
+            worker.tick(&configured.ctx(&host));
         };
     }
 

@@ -26,8 +26,9 @@ pub enum CalloutError {
     Malformed(String),
 }
 
-/// Records one admitted spend in the demand estimate (a smoothed rate per second).
-pub fn observe_spend(lease: &mut Lease, units: u64, now_ms: u64) {
+/// Records one offered request (admitted or denied) in the demand estimate (a smoothed rate
+/// per second): the limiter sizes assignments by it, so it must count what is denied too.
+pub fn observe_demand(lease: &mut Lease, units: u64, now_ms: u64) {
     if lease.window_start_ms == 0 || now_ms < lease.window_start_ms {
         lease.window_start_ms = now_ms;
         lease.window_units = 0;
@@ -46,16 +47,22 @@ pub fn observe_spend(lease: &mut Lease, units: u64, now_ms: u64) {
     }
 }
 
-/// How many tokens to ask for: enough for `lease_horizon` of the recent local demand, at least
-/// `min`, at most `lease_max` (so `lease_max: 1` means one callout per request).
-pub fn want(lease: &Lease, min: u64, settings: &LimiterSpec, now_ms: u64) -> u64 {
+/// The demand estimate, units per second: the smoothed rate, or the current window's when it
+/// is higher (demand that just rose).
+pub fn demand_per_s(lease: &Lease, now_ms: u64) -> f64 {
     let elapsed = now_ms.saturating_sub(lease.window_start_ms);
     let current = if lease.window_start_ms > 0 && elapsed >= 50 {
         lease.window_units as f64 * 1000.0 / elapsed as f64
     } else {
         0.0
     };
-    let rate = lease.rate_per_s.max(current);
+    lease.rate_per_s.max(current)
+}
+
+/// How many tokens to ask for: enough for `lease_horizon` of the recent local demand, at least
+/// `min`, at most `lease_max` (so `lease_max: 1` means one callout per request).
+pub fn want(lease: &Lease, min: u64, settings: &LimiterSpec, now_ms: u64) -> u64 {
+    let rate = demand_per_s(lease, now_ms);
     let horizon = settings.lease_horizon.0 as f64 / 1000.0;
     let estimate = if rate > 0.0 {
         (rate * horizon).ceil() as u64
@@ -63,6 +70,62 @@ pub fn want(lease: &Lease, min: u64, settings: &LimiterSpec, now_ms: u64) -> u64
         min.saturating_mul(4)
     };
     estimate.max(min).min(settings.lease_max.max(min))
+}
+
+/// The demand to report with a lease request: the estimate, and at least what `want` asks
+/// for over the horizon (a first request has no estimate yet).
+pub fn reported_demand(lease: &Lease, want: u64, settings: &LimiterSpec, now_ms: u64) -> f64 {
+    let horizon_s = (settings.lease_horizon.0 as f64 / 1000.0).max(0.001);
+    demand_per_s(lease, now_ms).max(want as f64 / horizon_s)
+}
+
+/// Credits what the assignment has dripped since it was last credited (whole tokens; the
+/// fraction is carried).
+pub fn accrue(lease: &mut Lease, now_ms: u64) {
+    let end = now_ms.min(lease.drip_until_ms);
+    if lease.drip_per_ms <= 0.0 || end <= lease.drip_from_ms {
+        return;
+    }
+    let dripped = lease.drip_carry + lease.drip_per_ms * (end - lease.drip_from_ms) as f64;
+    let whole = (dripped + 1e-9).floor().max(0.0);
+    lease.tokens = lease.tokens.saturating_add(whole as u64);
+    lease.drip_carry = (dripped - whole).max(0.0);
+    lease.drip_from_ms = end;
+}
+
+/// Stops the running drip now (before asking to renew: the limiter gives back the rest of the
+/// running assignment when it decides the renewal, so nothing may drip after the ask).
+pub fn stop_drip(lease: &mut Lease, now_ms: u64) {
+    accrue(lease, now_ms);
+    lease.drip_until_ms = lease.drip_until_ms.min(now_ms);
+}
+
+/// Whether requests are decided against an assignment (no callout on their path).
+pub fn assigned(lease: &Lease, now_ms: u64) -> bool {
+    lease.assigned_until_ms > now_ms
+}
+
+/// Milliseconds until the assignment has dripped enough for `cost` (what a denied request's
+/// `Retry-After` says: this instance's own next chance, at its current share).
+pub fn assignment_retry_ms(lease: &Lease, cost: u64, now_ms: u64) -> u64 {
+    let missing = cost as f64 - lease.tokens as f64 - lease.drip_carry;
+    if missing <= 0.0 {
+        return 1;
+    }
+    if lease.drip_per_ms <= 0.0 {
+        return lease.assigned_until_ms.saturating_sub(now_ms).max(1);
+    }
+    let ms = (missing / lease.drip_per_ms).ceil();
+    if ms >= u64::MAX as f64 {
+        u64::MAX
+    } else {
+        (ms as u64).max(1)
+    }
+}
+
+/// Whether the assignment is due for renewal (three quarters through its period).
+pub fn renewal_due(lease: &Lease, now_ms: u64) -> bool {
+    assigned(lease, now_ms) && now_ms >= lease.renew_at_ms && lease.pending_until_ms <= now_ms
 }
 
 /// Whether the lease has fallen below its low-water mark (time for a background refill).
@@ -83,21 +146,49 @@ pub fn expire(lease: &mut Lease, now_ms: u64) -> Option<(u64, u64)> {
     Some((returnable, expired))
 }
 
-/// Applies a limiter answer for this key to its record.
-pub fn apply_grant(record: &mut Record, grant: &LeaseGranted, lease_seq: u64, now_ms: u64) {
+/// Applies a limiter answer for this key to its record. `fresh` is false for an answer that
+/// replays a lease id asked long ago: its tokens are credited, but its share is not started
+/// (the limiter may have replaced that assignment since, and dripping it could overspend).
+pub fn apply_grant(
+    record: &mut Record,
+    grant: &LeaseGranted,
+    lease_seq: u64,
+    now_ms: u64,
+    fresh: bool,
+) {
     let lease = &mut record.lease;
+    stop_drip(lease, now_ms);
     lease.pending_until_ms = 0;
     lease.unavailable_since_ms = 0;
     lease.unavailable_until_ms = 0;
-    if grant.granted > 0 {
+    let share = if fresh && grant.share_per_s.is_finite() && grant.share_per_s > 0.0 {
+        grant.share_per_s / 1000.0
+    } else {
+        0.0
+    };
+    if grant.granted > 0 || share > 0.0 {
+        let drip_total = (share * grant.period_ms as f64 + 1e-9).floor();
         lease.tokens = lease.tokens.saturating_add(grant.granted);
-        lease.granted = grant.granted;
+        lease.granted = grant.granted.saturating_add(drip_total as u64);
         lease.seq = lease_seq;
         lease.expires_ms = now_ms.saturating_add(grant.expires_ms);
         lease.denied_until_ms = 0;
     } else {
         // Over limit: remember it exactly as long as the limiter said, never longer.
         lease.denied_until_ms = now_ms.saturating_add(grant.retry_after_ms.max(1));
+    }
+    if share > 0.0 {
+        let period = grant.period_ms;
+        lease.drip_per_ms = share;
+        lease.drip_from_ms = now_ms;
+        lease.drip_until_ms = now_ms.saturating_add(period);
+        lease.assigned_until_ms = now_ms.saturating_add(period);
+        lease.renew_at_ms = now_ms.saturating_add(period - period / 4);
+    } else {
+        lease.drip_per_ms = 0.0;
+        lease.drip_carry = 0.0;
+        lease.assigned_until_ms = 0;
+        lease.renew_at_ms = 0;
     }
 }
 
@@ -109,6 +200,9 @@ pub fn apply_unavailable(record: &mut Record, settings: &LimiterSpec, now_ms: u6
         lease.unavailable_since_ms = now_ms;
     }
     lease.unavailable_until_ms = now_ms.saturating_add(settings.unavailable_backoff.0);
+    // What the limiter now holds for us is unknown: decide no more against an assignment.
+    stop_drip(lease, now_ms);
+    lease.assigned_until_ms = 0;
 }
 
 /// A lease id, unique per Envoy instance (`instance`), worker and lease (`seq`).
@@ -181,7 +275,7 @@ mod tests {
         let mut lease = Lease::default();
         assert_eq!(want(&lease, 5, &settings(100), 0), 20);
         for t in 0..100u64 {
-            observe_spend(&mut lease, 4, 1_000 + t * 10);
+            observe_demand(&mut lease, 4, 1_000 + t * 10);
         }
         // 400 units/s over 250 ms ≈ 100, capped at lease_max.
         assert_eq!(want(&lease, 1, &settings(80), 2_000), 80);
@@ -204,7 +298,7 @@ mod tests {
             share_per_s: 0.0,
             period_ms: 0,
         };
-        apply_grant(&mut record, &grant, 7, 1_000);
+        apply_grant(&mut record, &grant, 7, 1_000, true);
         assert_eq!(record.lease.tokens, 30);
         assert_eq!(record.lease.expires_ms, 3_000);
         assert_eq!(record.lease.pending_until_ms, 0);
@@ -213,7 +307,7 @@ mod tests {
             retry_after_ms: 1_234,
             ..grant
         };
-        apply_grant(&mut record, &denied, 8, 1_000);
+        apply_grant(&mut record, &denied, 8, 1_000, true);
         assert_eq!(record.lease.denied_until_ms, 2_234);
         assert_eq!(record.lease.tokens, 30);
     }

@@ -95,6 +95,7 @@ struct PolicyMetrics {
     tokens_expired: Option<u32>,
     lease_unavailable: Option<u32>,
     invalid_policy: Option<u32>,
+    assignments: Option<u32>,
 }
 
 /// Metric ids of one VM (ids are per VM; the stats they name are shared by all workers).
@@ -110,6 +111,7 @@ pub struct Metrics {
     callout_ms: Option<u32>,
     version_mismatch: Option<u32>,
     waiting_deadline: Option<u32>,
+    callouts_retried: Option<u32>,
 }
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
@@ -141,6 +143,8 @@ pub enum LeaseEvent {
     Expired(u64),
     Unavailable,
     InvalidPolicy,
+    /// An answer carried an assignment (a share of the rate): the key is over its limit.
+    Assigned,
 }
 
 impl Metrics {
@@ -166,6 +170,7 @@ impl Metrics {
                     tokens_expired: per("tokens_expired", &p.name),
                     lease_unavailable: per("lease_unavailable", &p.name),
                     invalid_policy: per("invalid_policy", &p.name),
+                    assignments: per("assignments", &p.name),
                 })
                 .collect(),
             table_full: counter("tollgate_local_table_full"),
@@ -177,6 +182,7 @@ impl Metrics {
             callout_ms: define(MetricType::Histogram, "tollgate_callout_ms"),
             version_mismatch: counter("tollgate_policy_version_mismatch"),
             waiting_deadline: counter("tollgate_wait_deadline_passed"),
+            callouts_retried: counter("tollgate_callout_retries"),
         }
     }
 
@@ -221,6 +227,7 @@ impl Metrics {
             LeaseEvent::Expired(n) => bump(c.tokens_expired, n),
             LeaseEvent::Unavailable => bump(c.lease_unavailable, 1),
             LeaseEvent::InvalidPolicy => bump(c.invalid_policy, 1),
+            LeaseEvent::Assigned => bump(c.assignments, 1),
         }
     }
 
@@ -236,6 +243,11 @@ impl Metrics {
 
     pub fn version_mismatch(&self) {
         bump(self.version_mismatch, 1);
+    }
+
+    /// Lease requests asked again under the same ids after their callout got no answer.
+    pub fn callout_retried(&self, items: usize) {
+        bump(self.callouts_retried, items as u64);
     }
 
     pub fn deadline_passed(&self) {

@@ -28,7 +28,7 @@ pub const GROUP_SLOTS: usize = 4;
 pub const MAX_ATTEMPTS: u32 = 8;
 
 /// Version tag of the record encoding; other tags read as empty.
-const TAG_RECORD: u8 = 2;
+const TAG_RECORD: u8 = 4;
 /// Version tag of a group of slots.
 const TAG_GROUP: u8 = 3;
 
@@ -62,10 +62,25 @@ pub struct Lease {
     pub unavailable_since_ms: u64,
     /// Until this time requests do not wait for a callout but take the failure mode.
     pub unavailable_until_ms: u64,
-    /// Demand estimate: units spent since `window_start_ms`, and the smoothed rate.
+    /// Demand estimate: units offered (admitted or denied) since `window_start_ms`, and the
+    /// smoothed rate per second.
     pub window_start_ms: u64,
     pub window_units: u64,
     pub rate_per_s: f64,
+    /// The assignment's share of the global refill rate (units per ms; kept after the drip
+    /// stops, to tell a denied request when its turn comes).
+    pub drip_per_ms: f64,
+    /// The drip has been credited to `tokens` up to this time...
+    pub drip_from_ms: u64,
+    /// ...and runs until this time (stopped early when a renewal is asked for).
+    pub drip_until_ms: u64,
+    /// Fraction of a token dripped but not yet credited.
+    pub drip_carry: f64,
+    /// Requests are decided against the assignment (never waiting for a callout) until this
+    /// time; covers a renewal in flight.
+    pub assigned_until_ms: u64,
+    /// From this time the next request asks to renew the assignment.
+    pub renew_at_ms: u64,
 }
 
 /// The state of one (policy, key) on this Envoy instance.
@@ -90,7 +105,7 @@ impl Record {
     }
 }
 
-const LEASE_FIELDS: usize = 11;
+const LEASE_FIELDS: usize = 17;
 const FIXED_BYTES: usize = 1 + 16 + LEASE_FIELDS * 8 + 8;
 
 fn encode(record: &Record) -> Vec<u8> {
@@ -126,10 +141,16 @@ fn encode(record: &Record) -> Vec<u8> {
         l.unavailable_until_ms,
         l.window_start_ms,
         l.window_units,
+        l.drip_from_ms,
+        l.drip_until_ms,
+        l.assigned_until_ms,
+        l.renew_at_ms,
     ] {
         out.extend_from_slice(&value.to_le_bytes());
     }
-    out.extend_from_slice(&l.rate_per_s.to_le_bytes());
+    for value in [l.rate_per_s, l.drip_per_ms, l.drip_carry] {
+        out.extend_from_slice(&value.to_le_bytes());
+    }
     out.extend_from_slice(&record.evictable_at_ms.to_le_bytes());
     out
 }
@@ -165,13 +186,19 @@ fn decode(bytes: &[u8]) -> Option<Record> {
         unavailable_until_ms: u(9)?,
         window_start_ms: u(10)?,
         window_units: u(11)?,
-        rate_per_s: f64::from_le_bytes(word(12)?),
+        drip_from_ms: u(12)?,
+        drip_until_ms: u(13)?,
+        assigned_until_ms: u(14)?,
+        renew_at_ms: u(15)?,
+        rate_per_s: f64::from_le_bytes(word(16)?),
+        drip_per_ms: f64::from_le_bytes(word(17)?),
+        drip_carry: f64::from_le_bytes(word(18)?),
     };
     Some(Record {
         id,
         bucket: (present == 1).then_some(bucket),
         lease,
-        evictable_at_ms: u(13)?,
+        evictable_at_ms: u(19)?,
     })
 }
 

@@ -3,11 +3,14 @@
 //! stream ends, which would lose granted tokens).
 //!
 //! HTTP contexts queue lease needs and register themselves as waiters, then wake the root
-//! through the worker's shared queue; the root dispatches one callout per key per worker (all
-//! needs of a wake-up in one batch), credits answers to the shared table, and decides every
-//! waiter again — resuming it, answering it, or letting it wait for another round. A tick
+//! through the worker's shared queue; the root dispatches the needs of a wake-up in one batch
+//! (one request per key: the shared record lets only one request of the instance ask for a key
+//! at a time), credits answers to the shared table, and decides every waiter again — resuming
+//! it, answering it, or letting it wait for another round. A callout that gets no answer is
+//! retried once under the same lease ids before its keys take the failure mode. A tick
 //! enforces the filter's own deadline, so no request waits longer than the limiter timeout plus
-//! a small margin whatever the network does.
+//! a small margin whatever the network does, and looks again at requests waiting for an answer
+//! another worker asked for.
 
 use crate::engine::{Attempt, Decision, Engine, LeaseNeed, Plan, ReturnNeed, Verdict};
 use crate::global::{self, CalloutError, DEADLINE_MARGIN_MS};
@@ -27,6 +30,11 @@ pub const TICK_MS: u64 = 5;
 /// Most requests one worker keeps waiting; beyond it a request is decided as if the limiter
 /// were unavailable (bounded memory whatever the load).
 pub const MAX_WAITERS: usize = 10_000;
+/// Most requests waiting for another worker's answer that one tick decides again.
+pub const MAX_POLLED_PER_TICK: usize = 512;
+/// Rounds of dispatching in one flush (a failed dispatch decides its waiters, which may queue
+/// a probe: bounded, never a loop without end).
+const MAX_FLUSH_ROUNDS: usize = 4;
 
 /// What the worker needs from the host (proxy-wasm in production, a fake in unit tests).
 pub trait Host {
@@ -40,6 +48,16 @@ pub trait Host {
     fn set_tick(&self, period_ms: u64);
 }
 
+/// Everything a root-context event hands the worker: the engine, the shared table, metrics,
+/// the host and the time of the event.
+pub struct Ctx<'a, S: SharedData, H: Host> {
+    pub engine: &'a Engine,
+    pub store: &'a S,
+    pub metrics: &'a Metrics,
+    pub host: &'a H,
+    pub now_ms: u64,
+}
+
 /// Headers an admitted request adds to its response, filled in when it is resumed.
 pub type ResponseHeaders = Rc<RefCell<Vec<(String, String)>>>;
 
@@ -51,9 +69,22 @@ struct Waiter {
     response_headers: ResponseHeaders,
 }
 
+/// One lease request of a callout.
+#[derive(Debug, Clone)]
+struct Asked {
+    need: LeaseNeed,
+    seq: u64,
+    id: String,
+    /// This is already the retry under the same id.
+    retried: bool,
+    /// The id is asked for the first time, or retried at once; `false` for an id reused long
+    /// after its answer was lost (its share, if any, is not started: see `apply_grant`).
+    fresh: bool,
+}
+
 enum Callout {
     Leases {
-        items: Vec<(LeaseNeed, u64, String)>,
+        items: Vec<Asked>,
         sent_ms: u64,
     },
     Returns {
@@ -65,14 +96,16 @@ enum Callout {
 /// One worker's global-stage state.
 pub struct Worker {
     instance: u64,
+    /// This instance's name towards the limiter (assignments are per holder).
+    holder: String,
     next_seq: u64,
     queued: Vec<LeaseNeed>,
     queued_returns: Vec<ReturnNeed>,
     /// Bucket ids with a callout in flight on this worker.
     inflight: HashSet<String>,
-    /// Lease requests whose outcome is unknown (timed out, reset, 503: the limiter may have
-    /// applied them), by bucket id: the next request for that key reuses the id, so the
-    /// limiter's dedup record answers with what it granted then and no grant is lost.
+    /// Lease requests whose outcome is unknown (no answer even after the retry: the limiter
+    /// may have applied them), by bucket id: the next request for that key reuses the id, so
+    /// the limiter's dedup record hands over what it granted then and no grant is lost.
     unsettled: HashMap<String, (u64, String)>,
     callouts: HashMap<u32, Callout>,
     waiters: HashMap<u32, Waiter>,
@@ -84,6 +117,7 @@ impl Worker {
     pub fn new(instance: u64, worker: u64) -> Self {
         Self {
             instance,
+            holder: format!("{instance:016x}"),
             next_seq: worker << 40,
             queued: Vec::new(),
             queued_returns: Vec::new(),
@@ -114,19 +148,13 @@ impl Worker {
         if self.waiters.len() >= MAX_WAITERS {
             return false;
         }
-        let waiting_for = decision
-            .needs
-            .iter()
-            .filter(|n| n.blocking)
-            .map(|n| n.bucket_id.clone())
-            .collect();
         self.waiters.insert(
             context_id,
             Waiter {
                 plan,
                 deadline_ms,
                 round: 0,
-                waiting_for,
+                waiting_for: decision.waiting_for.clone(),
                 response_headers,
             },
         );
@@ -146,108 +174,152 @@ impl Worker {
         self.callouts.len()
     }
 
-    /// Dispatches what was queued (root context).
-    pub fn flush(
-        &mut self,
-        engine: &Engine,
-        store: &impl SharedData,
-        metrics: &Metrics,
-        host: &impl Host,
-        now_ms: u64,
-    ) {
-        let Some(settings) = engine.limiter().cloned() else {
+    /// Dispatches what was queued (root context). A dispatch that fails decides its waiters
+    /// again, which may queue more (a probe): dispatched in the next round, a bounded number.
+    pub fn flush<S: SharedData, H: Host>(&mut self, ctx: &Ctx<'_, S, H>) {
+        if ctx.engine.limiter().is_none() {
             self.queued.clear();
             self.queued_returns.clear();
             return;
-        };
-        let mut batch: Vec<(LeaseNeed, u64, String)> = Vec::new();
+        }
+        for _ in 0..MAX_FLUSH_ROUNDS {
+            let batch = self.take_queued();
+            let mut failed = Vec::new();
+            for chunk in chunks(batch) {
+                failed.extend(self.send_leases(chunk, ctx));
+            }
+            self.send_returns(ctx);
+            if failed.is_empty() {
+                break;
+            }
+            self.resolve(ctx, &failed);
+            if self.queued.is_empty() {
+                break;
+            }
+        }
+        self.update_tick(ctx.host);
+    }
+
+    /// The queued needs as lease requests: one per key (covering the biggest single request and
+    /// everyone waiting on this worker), none for a key already in flight here.
+    fn take_queued(&mut self) -> Vec<Asked> {
+        let mut batch: Vec<Asked> = Vec::new();
         for need in std::mem::take(&mut self.queued) {
             if self.inflight.contains(&need.bucket_id) {
                 continue;
             }
-            if let Some((queued, _, _)) = batch
+            if let Some(queued) = batch
                 .iter_mut()
-                .find(|(n, _, _)| n.bucket_id == need.bucket_id)
+                .find(|a| a.need.bucket_id == need.bucket_id)
             {
-                // One callout per key: it must cover the biggest single request.
-                queued.min = queued.min.max(need.min);
-                queued.want = queued.want.max(need.want);
-                queued.blocking |= need.blocking;
+                queued.need.min = queued.need.min.max(need.min);
+                queued.need.want = queued.need.want.max(need.want);
+                queued.need.demand_per_s = queued.need.demand_per_s.max(need.demand_per_s);
+                queued.need.blocking |= need.blocking;
                 continue;
             }
-            let (seq, id) = match self.unsettled.get(&need.bucket_id) {
-                Some(unsettled) => unsettled.clone(),
+            let (seq, id, fresh) = match self.unsettled.get(&need.bucket_id) {
+                Some((seq, id)) => (*seq, id.clone(), false),
                 None => {
                     self.next_seq += 1;
                     (
                         self.next_seq,
                         global::lease_id(self.instance, self.next_seq),
+                        true,
                     )
                 }
             };
-            batch.push((need, seq, id));
+            batch.push(Asked {
+                need,
+                seq,
+                id,
+                retried: false,
+                fresh,
+            });
         }
-        for (need, _, _) in batch.iter_mut() {
+        for asked in batch.iter_mut() {
             // Every request waiting for this key on this worker is served by this one callout,
             // so it asks for at least their total cost (real demand, not a speculative batch:
             // `lease_max` does not cap it; the limiter caps it at the burst).
+            let need = &mut asked.need;
             need.want = need
                 .want
                 .max(self.waiting_demand(&need.bucket_id))
                 .max(need.min);
         }
-        while !batch.is_empty() {
-            let rest = batch.split_off(batch.len().min(MAX_BATCH));
-            let chunk = std::mem::replace(&mut batch, rest);
-            let requests: Vec<LeaseRequest> = chunk
-                .iter()
-                .filter_map(|(need, _, id)| {
-                    let policy = engine.policy(need.policy)?;
-                    Some(LeaseRequest {
-                        id: id.clone(),
-                        policy: policy.name.clone(),
-                        key: need.key.clone(),
-                        min: need.min,
-                        want: need.want,
-                        group: None,
-                        holder: None,
-                        demand_per_s: None,
-                    })
+        batch
+    }
+
+    /// Sends one batch of lease requests; returns the bucket ids whose callout could not even
+    /// be sent (already marked unavailable).
+    fn send_leases<S: SharedData, H: Host>(
+        &mut self,
+        chunk: Vec<Asked>,
+        ctx: &Ctx<'_, S, H>,
+    ) -> Vec<String> {
+        if chunk.is_empty() {
+            return Vec::new();
+        }
+        let Some(settings) = ctx.engine.limiter() else {
+            return Vec::new();
+        };
+        let requests: Vec<LeaseRequest> = chunk
+            .iter()
+            .filter_map(|a| {
+                let policy = ctx.engine.policy(a.need.policy)?;
+                let demand = a.need.demand_per_s;
+                Some(LeaseRequest {
+                    id: a.id.clone(),
+                    policy: policy.name.clone(),
+                    key: a.need.key.clone(),
+                    min: a.need.min,
+                    want: a.need.want,
+                    group: None,
+                    holder: Some(self.holder.clone()),
+                    demand_per_s: (demand.is_finite() && demand >= 0.0).then_some(demand),
                 })
-                .collect();
-            for (need, _, _) in &chunk {
-                metrics.lease(need.policy, LeaseEvent::Requested);
+            })
+            .collect();
+        for a in &chunk {
+            ctx.metrics.lease(a.need.policy, LeaseEvent::Requested);
+        }
+        let timeout = self.callout_timeout(&chunk, settings.timeout.0, ctx.now_ms);
+        match ctx
+            .host
+            .dispatch(LEASES_PATH, &global::lease_body(requests), timeout)
+        {
+            Ok(token) => {
+                for a in &chunk {
+                    self.inflight.insert(a.need.bucket_id.clone());
+                }
+                self.callouts.insert(
+                    token,
+                    Callout::Leases {
+                        items: chunk,
+                        sent_ms: ctx.now_ms,
+                    },
+                );
+                Vec::new()
             }
-            let timeout = self.callout_timeout(&chunk, settings.timeout.0, now_ms);
-            match host.dispatch(LEASES_PATH, &global::lease_body(requests), timeout) {
-                Ok(token) => {
-                    for (need, _, _) in &chunk {
-                        self.inflight.insert(need.bucket_id.clone());
-                    }
-                    self.callouts.insert(
-                        token,
-                        Callout::Leases {
-                            items: chunk,
-                            sent_ms: now_ms,
-                        },
-                    );
-                }
-                Err(reason) => {
-                    log::warn!("tollgate: lease callout not sent: {reason}");
-                    metrics.callout(0, true);
-                    self.fail_leases(engine, store, metrics, &chunk, now_ms);
-                    let affected: Vec<String> =
-                        chunk.iter().map(|(n, _, _)| n.bucket_id.clone()).collect();
-                    self.resolve(engine, store, metrics, host, &affected, now_ms);
-                }
+            Err(reason) => {
+                log::warn!("tollgate: lease callout not sent: {reason}");
+                ctx.metrics.callout(0, true);
+                self.fail_leases(ctx, &chunk);
+                chunk.into_iter().map(|a| a.need.bucket_id).collect()
             }
         }
+    }
+
+    fn send_returns<S: SharedData, H: Host>(&mut self, ctx: &Ctx<'_, S, H>) {
+        let Some(settings) = ctx.engine.limiter() else {
+            return;
+        };
         let returns = std::mem::take(&mut self.queued_returns);
         for chunk in returns.chunks(MAX_BATCH) {
             let items: Vec<LeaseReturn> = chunk
                 .iter()
                 .filter_map(|r| {
-                    let policy = engine.policy(r.policy)?;
+                    let policy = ctx.engine.policy(r.policy)?;
                     Some(LeaseReturn {
                         id: global::lease_id(self.instance, r.seq),
                         policy: policy.name.clone(),
@@ -256,7 +328,7 @@ impl Worker {
                     })
                 })
                 .collect();
-            match host.dispatch(
+            match ctx.host.dispatch(
                 RETURNS_PATH,
                 &global::return_body(items),
                 settings.timeout.0,
@@ -266,18 +338,17 @@ impl Worker {
                         token,
                         Callout::Returns {
                             items: chunk.to_vec(),
-                            sent_ms: now_ms,
+                            sent_ms: ctx.now_ms,
                         },
                     );
                 }
                 Err(_) => {
                     for r in chunk {
-                        metrics.lease(r.policy, LeaseEvent::Expired(r.unused));
+                        ctx.metrics.lease(r.policy, LeaseEvent::Expired(r.unused));
                     }
                 }
             }
         }
-        self.update_tick(host);
     }
 
     /// Total cost of the requests on this worker waiting for `bucket_id`'s lease.
@@ -291,19 +362,14 @@ impl Worker {
     }
 
     /// A blocking callout may not outlive the earliest deadline of the requests waiting for it.
-    fn callout_timeout(
-        &self,
-        chunk: &[(LeaseNeed, u64, String)],
-        timeout_ms: u64,
-        now_ms: u64,
-    ) -> u64 {
+    fn callout_timeout(&self, chunk: &[Asked], timeout_ms: u64, now_ms: u64) -> u64 {
         let earliest = self
             .waiters
             .values()
             .filter(|w| {
                 w.waiting_for
                     .iter()
-                    .any(|b| chunk.iter().any(|(n, _, _)| &n.bucket_id == b))
+                    .any(|b| chunk.iter().any(|a| &a.need.bucket_id == b))
             })
             .map(|w| w.deadline_ms.saturating_sub(DEADLINE_MARGIN_MS))
             .min();
@@ -313,246 +379,262 @@ impl Worker {
         }
     }
 
-    fn fail_leases(
-        &mut self,
-        engine: &Engine,
-        store: &impl SharedData,
-        metrics: &Metrics,
-        items: &[(LeaseNeed, u64, String)],
-        now_ms: u64,
-    ) {
-        for (need, _, _) in items {
-            metrics.lease(need.policy, LeaseEvent::Unavailable);
-            if let Err(error) = engine.mark_unavailable(store, need, now_ms) {
+    fn fail_leases<S: SharedData, H: Host>(&mut self, ctx: &Ctx<'_, S, H>, items: &[Asked]) {
+        for a in items {
+            ctx.metrics.lease(a.need.policy, LeaseEvent::Unavailable);
+            if let Err(error) = ctx.engine.mark_unavailable(ctx.store, &a.need, ctx.now_ms) {
                 log::warn!("tollgate: cannot record limiter outage for a key: {error:?}");
             }
-            self.inflight.remove(&need.bucket_id);
+            self.inflight.remove(&a.need.bucket_id);
         }
     }
 
     /// A callout answered (`status` None: reset / no response).
-    #[allow(clippy::too_many_arguments)]
-    pub fn complete(
+    pub fn complete<S: SharedData, H: Host>(
         &mut self,
         token: u32,
         status: Option<u32>,
         body: &[u8],
-        engine: &Engine,
-        store: &impl SharedData,
-        metrics: &Metrics,
-        host: &impl Host,
-        now_ms: u64,
+        ctx: &Ctx<'_, S, H>,
     ) {
         match self.callouts.remove(&token) {
             Some(Callout::Leases { items, sent_ms }) => {
-                let affected: Vec<String> =
-                    items.iter().map(|(n, _, _)| n.bucket_id.clone()).collect();
-                match global::parse_lease_response(status, body) {
+                let elapsed = ctx.now_ms.saturating_sub(sent_ms);
+                // Keys answered (or given up) this time: their waiters are decided again.
+                let (mut affected, unanswered) = match global::parse_lease_response(status, body) {
                     Ok(answer) => {
-                        metrics.callout(now_ms.saturating_sub(sent_ms), false);
-                        if answer.policy_version != engine.policies.version {
-                            metrics.version_mismatch();
+                        ctx.metrics.callout(elapsed, false);
+                        if answer.policy_version != ctx.engine.policies.version {
+                            ctx.metrics.version_mismatch();
                         }
-                        self.credit(engine, store, metrics, &items, &answer.leases, now_ms);
+                        self.credit(ctx, items, &answer.leases)
                     }
                     Err(error) => {
-                        metrics.callout(now_ms.saturating_sub(sent_ms), true);
+                        ctx.metrics.callout(elapsed, true);
                         log_failure(&error);
-                        self.unsettle(&items);
-                        self.fail_leases(engine, store, metrics, &items, now_ms);
+                        (Vec::new(), items)
                     }
+                };
+                let (retry, give_up): (Vec<Asked>, Vec<Asked>) =
+                    unanswered.into_iter().partition(|a| !a.retried);
+                if !give_up.is_empty() {
+                    self.unsettle(&give_up);
+                    self.fail_leases(ctx, &give_up);
+                    affected.extend(give_up.into_iter().map(|a| a.need.bucket_id));
                 }
-                self.resolve(engine, store, metrics, host, &affected, now_ms);
+                affected.extend(self.retry(ctx, retry));
+                self.resolve(ctx, &affected);
+                self.flush(ctx);
             }
             Some(Callout::Returns { items, sent_ms }) => {
+                let elapsed = ctx.now_ms.saturating_sub(sent_ms);
                 match global::parse_return_response(status, body) {
                     Ok(answer) => {
-                        metrics.callout(now_ms.saturating_sub(sent_ms), false);
+                        ctx.metrics.callout(elapsed, false);
                         for (item, result) in items.iter().zip(&answer.returns) {
-                            match result {
-                                ReturnResult::Returned { returned, .. } => {
-                                    metrics.lease(item.policy, LeaseEvent::Returned(*returned));
-                                    metrics.lease(
-                                        item.policy,
-                                        LeaseEvent::Expired(item.unused.saturating_sub(*returned)),
-                                    );
-                                }
-                                ReturnResult::Error(_) => {
-                                    metrics.lease(item.policy, LeaseEvent::Expired(item.unused))
-                                }
-                            }
+                            let returned = match result {
+                                ReturnResult::Returned { returned, .. } => *returned,
+                                ReturnResult::Error(_) => 0,
+                            };
+                            ctx.metrics
+                                .lease(item.policy, LeaseEvent::Returned(returned));
+                            ctx.metrics.lease(
+                                item.policy,
+                                LeaseEvent::Expired(item.unused.saturating_sub(returned)),
+                            );
                         }
                     }
                     Err(error) => {
-                        metrics.callout(now_ms.saturating_sub(sent_ms), true);
+                        ctx.metrics.callout(elapsed, true);
                         log_failure(&error);
                         for item in &items {
-                            metrics.lease(item.policy, LeaseEvent::Expired(item.unused));
+                            ctx.metrics
+                                .lease(item.policy, LeaseEvent::Expired(item.unused));
                         }
                     }
                 }
             }
             None => {}
         }
-        self.update_tick(host);
+        self.update_tick(ctx.host);
     }
 
-    fn credit(
+    /// Asks once more, under the same ids, for what got no answer (the key stays marked as
+    /// asking, so no other request of this instance asks meanwhile). Returns the bucket ids
+    /// that could not be retried (sent to the failure mode).
+    fn retry<S: SharedData, H: Host>(
         &mut self,
-        engine: &Engine,
-        store: &impl SharedData,
-        metrics: &Metrics,
-        items: &[(LeaseNeed, u64, String)],
+        ctx: &Ctx<'_, S, H>,
+        items: Vec<Asked>,
+    ) -> Vec<String> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        let items: Vec<Asked> = items
+            .into_iter()
+            .map(|mut a| {
+                a.retried = true;
+                self.inflight.remove(&a.need.bucket_id);
+                if let Err(error) = ctx.engine.refresh_pending(ctx.store, &a.need, ctx.now_ms) {
+                    log::debug!("tollgate: cannot mark a key as asking: {error:?}");
+                }
+                a
+            })
+            .collect();
+        ctx.metrics.callout_retried(items.len());
+        let mut failed = Vec::new();
+        for chunk in chunks(items) {
+            failed.extend(self.send_leases(chunk, ctx));
+        }
+        failed
+    }
+
+    /// Credits the answers of one callout; returns the bucket ids answered and the items that
+    /// got no usable answer.
+    fn credit<S: SharedData, H: Host>(
+        &mut self,
+        ctx: &Ctx<'_, S, H>,
+        items: Vec<Asked>,
         results: &[LeaseResult],
-        now_ms: u64,
-    ) {
-        for (need, seq, id) in items {
-            self.inflight.remove(&need.bucket_id);
+    ) -> (Vec<String>, Vec<Asked>) {
+        let mut answered = Vec::new();
+        let mut unanswered = Vec::new();
+        for a in items {
             let result = results.iter().find(|r| match r {
-                LeaseResult::Granted(g) => &g.id == id,
-                LeaseResult::Error(e) => &e.id == id,
+                LeaseResult::Granted(g) => g.id == a.id,
+                LeaseResult::Error(e) => e.id == a.id,
             });
-            match result {
-                Some(LeaseResult::Granted(_)) => {
-                    self.unsettled.remove(&need.bucket_id);
-                }
-                Some(LeaseResult::Error(e)) if e.error != ErrorCode::Unavailable => {
-                    self.unsettled.remove(&need.bucket_id);
-                }
-                _ => self.unsettle(std::slice::from_ref(&(need.clone(), *seq, id.clone()))),
-            }
+            let need = &a.need;
             match result {
                 Some(LeaseResult::Granted(grant)) => {
-                    metrics.lease(need.policy, LeaseEvent::Granted(grant.granted));
-                    if let Err(error) = engine.credit(store, need, grant, *seq, now_ms) {
+                    self.inflight.remove(&need.bucket_id);
+                    self.unsettled.remove(&need.bucket_id);
+                    answered.push(need.bucket_id.clone());
+                    ctx.metrics
+                        .lease(need.policy, LeaseEvent::Granted(grant.granted));
+                    if a.fresh && grant.share_per_s > 0.0 {
+                        ctx.metrics.lease(need.policy, LeaseEvent::Assigned);
+                    }
+                    if let Err(error) = ctx
+                        .engine
+                        .credit(ctx.store, need, grant, a.seq, ctx.now_ms, a.fresh)
+                    {
                         log::warn!("tollgate: granted tokens lost (table {error:?})");
-                        metrics.lease(need.policy, LeaseEvent::Expired(grant.granted));
+                        ctx.metrics
+                            .lease(need.policy, LeaseEvent::Expired(grant.granted));
                     }
                 }
-                Some(LeaseResult::Error(error)) => {
+                Some(LeaseResult::Error(error)) if error.error != ErrorCode::Unavailable => {
+                    self.inflight.remove(&need.bucket_id);
+                    self.unsettled.remove(&need.bucket_id);
+                    answered.push(need.bucket_id.clone());
                     if error.error == ErrorCode::InvalidPolicy {
-                        metrics.lease(need.policy, LeaseEvent::InvalidPolicy);
+                        ctx.metrics.lease(need.policy, LeaseEvent::InvalidPolicy);
                         log::warn!(
                             "tollgate: limiter refused policy: {} ({})",
                             error.error.as_str(),
                             error.reason.as_deref().unwrap_or("")
                         );
                     }
-                    metrics.lease(need.policy, LeaseEvent::Unavailable);
-                    let _ = engine.mark_unavailable(store, need, now_ms);
+                    ctx.metrics.lease(need.policy, LeaseEvent::Unavailable);
+                    let _ = ctx.engine.mark_unavailable(ctx.store, need, ctx.now_ms);
                 }
-                None => {
-                    metrics.lease(need.policy, LeaseEvent::Unavailable);
-                    let _ = engine.mark_unavailable(store, need, now_ms);
-                }
+                _ => unanswered.push(a),
             }
         }
+        (answered, unanswered)
     }
 
     /// Remembers lease requests whose outcome is unknown, to be asked again under the same id.
-    fn unsettle(&mut self, items: &[(LeaseNeed, u64, String)]) {
-        for (need, seq, id) in items {
-            if self.unsettled.len() < MAX_WAITERS || self.unsettled.contains_key(&need.bucket_id) {
+    fn unsettle(&mut self, items: &[Asked]) {
+        for a in items {
+            if self.unsettled.len() < MAX_WAITERS || self.unsettled.contains_key(&a.need.bucket_id)
+            {
                 self.unsettled
-                    .insert(need.bucket_id.clone(), (*seq, id.clone()));
+                    .insert(a.need.bucket_id.clone(), (a.seq, a.id.clone()));
             }
         }
     }
 
-    /// Decides again every request waiting for one of `affected`.
-    fn resolve(
-        &mut self,
-        engine: &Engine,
-        store: &impl SharedData,
-        metrics: &Metrics,
-        host: &impl Host,
-        affected: &[String],
-        now_ms: u64,
-    ) {
+    /// Decides again every request waiting for one of `affected` (what they queue is sent by
+    /// the caller's flush).
+    fn resolve<S: SharedData, H: Host>(&mut self, ctx: &Ctx<'_, S, H>, affected: &[String]) {
+        if affected.is_empty() {
+            return;
+        }
         let ready: Vec<u32> = self
             .waiters
             .iter()
             .filter(|(_, w)| w.waiting_for.iter().any(|b| affected.contains(b)))
             .map(|(id, _)| *id)
             .collect();
-        let mut wake = false;
         for context_id in ready {
-            wake |= self.decide_waiter(context_id, engine, store, metrics, host, now_ms, false);
-        }
-        if wake {
-            self.flush(engine, store, metrics, host, now_ms);
+            self.decide_waiter(context_id, ctx, false);
         }
     }
 
-    /// Decides a waiting request again; returns whether new needs were queued.
-    #[allow(clippy::too_many_arguments)]
-    fn decide_waiter(
+    /// Decides a waiting request again.
+    fn decide_waiter<S: SharedData, H: Host>(
         &mut self,
         context_id: u32,
-        engine: &Engine,
-        store: &impl SharedData,
-        metrics: &Metrics,
-        host: &impl Host,
-        now_ms: u64,
+        ctx: &Ctx<'_, S, H>,
         deadline_passed: bool,
-    ) -> bool {
+    ) {
         let Some(mut waiter) = self.waiters.remove(&context_id) else {
-            return false;
+            return;
         };
         let attempt = Attempt {
             round: waiter.round + 1,
             deadline_passed,
         };
-        let decision = engine.decide(&waiter.plan, store, now_ms, attempt);
-        let queued = self.queue(&decision);
+        let decision = ctx
+            .engine
+            .decide(&waiter.plan, ctx.store, ctx.now_ms, attempt);
+        self.queue(&decision);
         match &decision.verdict {
             Verdict::Wait => {
                 waiter.round += 1;
-                waiter.waiting_for = decision
-                    .needs
-                    .iter()
-                    .filter(|n| n.blocking)
-                    .map(|n| n.bucket_id.clone())
-                    .collect();
+                waiter.waiting_for = decision.waiting_for.clone();
                 self.waiters.insert(context_id, waiter);
             }
             Verdict::Continue => {
-                metrics.record(&decision);
+                ctx.metrics.record(&decision);
                 *waiter.response_headers.borrow_mut() = decision.response_headers.clone();
-                host.resume(context_id);
+                ctx.host.resume(context_id);
             }
             Verdict::Reply(reply) => {
-                metrics.record(&decision);
-                host.reply(context_id, reply);
+                ctx.metrics.record(&decision);
+                ctx.host.reply(context_id, reply);
             }
         }
-        queued
     }
 
-    /// The filter's own deadline (root tick): waiting requests past it take the failure mode.
-    pub fn tick(
-        &mut self,
-        engine: &Engine,
-        store: &impl SharedData,
-        metrics: &Metrics,
-        host: &impl Host,
-        now_ms: u64,
-    ) {
+    /// The root tick: waiting requests past the filter's own deadline take the failure mode;
+    /// requests waiting for an answer another worker asked for are decided again (that answer
+    /// lands in the shared table, not on this worker).
+    pub fn tick<S: SharedData, H: Host>(&mut self, ctx: &Ctx<'_, S, H>) {
         let late: Vec<u32> = self
             .waiters
             .iter()
-            .filter(|(_, w)| w.deadline_ms <= now_ms)
+            .filter(|(_, w)| w.deadline_ms <= ctx.now_ms)
             .map(|(id, _)| *id)
             .collect();
-        let mut wake = false;
         for context_id in late {
-            metrics.deadline_passed();
-            wake |= self.decide_waiter(context_id, engine, store, metrics, host, now_ms, true);
+            ctx.metrics.deadline_passed();
+            self.decide_waiter(context_id, ctx, true);
         }
-        if wake {
-            self.flush(engine, store, metrics, host, now_ms);
+        let elsewhere: Vec<u32> = self
+            .waiters
+            .iter()
+            .filter(|(_, w)| w.waiting_for.iter().any(|b| !self.inflight.contains(b)))
+            .map(|(id, _)| *id)
+            .take(MAX_POLLED_PER_TICK)
+            .collect();
+        for context_id in elsewhere {
+            self.decide_waiter(context_id, ctx, false);
         }
-        self.update_tick(host);
+        self.flush(ctx);
+        self.update_tick(ctx.host);
     }
 
     fn update_tick(&mut self, host: &impl Host) {
@@ -562,6 +644,16 @@ impl Worker {
             self.ticking = want;
         }
     }
+}
+
+/// Lease requests in batches the limiter accepts.
+fn chunks(mut items: Vec<Asked>) -> Vec<Vec<Asked>> {
+    let mut out = Vec::new();
+    while !items.is_empty() {
+        let rest = items.split_off(items.len().min(MAX_BATCH));
+        out.push(std::mem::replace(&mut items, rest));
+    }
+    out
 }
 
 fn log_failure(error: &CalloutError) {

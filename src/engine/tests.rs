@@ -1,6 +1,9 @@
 use super::*;
+use crate::request::{RequestFacts, RequestSource};
 use crate::shared::MemorySharedData;
+use crate::table::SlotTable;
 use std::collections::HashMap;
+use tollgate_core::response::LocalReply;
 
 #[derive(Default)]
 struct Req {

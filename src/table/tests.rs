@@ -357,6 +357,12 @@ fn corrupt_slots_read_as_empty() {
             window_start_ms: 18,
             window_units: 19,
             rate_per_s: 20.5,
+            drip_per_ms: 21.25,
+            drip_from_ms: 22,
+            drip_until_ms: 23,
+            drip_carry: 0.75,
+            assigned_until_ms: 24,
+            renew_at_ms: 25,
         },
         evictable_at_ms: 10,
     };

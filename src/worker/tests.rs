@@ -125,6 +125,34 @@ struct Rig {
 }
 
 impl Rig {
+    fn ctx(&self, now_ms: u64) -> Ctx<'_, MemorySharedData, FakeHost> {
+        Ctx {
+            engine: &self.engine,
+            store: &self.store,
+            metrics: &self.metrics,
+            host: &self.host,
+            now_ms,
+        }
+    }
+
+    fn complete(&mut self, token: u32, status: Option<u32>, body: &[u8], now: u64) {
+        let mut worker = std::mem::replace(&mut self.worker, Worker::new(0, 0));
+        worker.complete(token, status, body, &self.ctx(now));
+        self.worker = worker;
+    }
+
+    fn tick(&mut self, now: u64) {
+        let mut worker = std::mem::replace(&mut self.worker, Worker::new(0, 0));
+        worker.tick(&self.ctx(now));
+        self.worker = worker;
+    }
+
+    fn flush(&mut self, now: u64) {
+        let mut worker = std::mem::replace(&mut self.worker, Worker::new(0, 0));
+        worker.flush(&self.ctx(now));
+        self.worker = worker;
+    }
+
     fn new(doc: &str) -> Self {
         let store = MemorySharedData::default();
         let policies = Policies::from_json(doc.as_bytes()).unwrap();
@@ -167,8 +195,7 @@ impl Rig {
             self.metrics.record(&decision);
         }
         if self.worker.queue(&decision) {
-            self.worker
-                .flush(&self.engine, &self.store, &self.metrics, &self.host, now);
+            self.flush(now);
         }
         decision.verdict
     }
@@ -189,33 +216,22 @@ impl Rig {
                     .collect();
                 format!(r#"{{"returns":[{}]}}"#, returns.join(",")).into_bytes()
             };
-            self.worker.complete(
-                token,
-                Some(200),
-                &reply,
-                &self.engine,
-                &self.store,
-                &self.metrics,
-                &self.host,
-                now,
-            );
+            self.complete(token, Some(200), &reply, now);
         }
     }
 
-    fn fail_all(&mut self, status: Option<u32>, body: &[u8], now: u64) {
+    /// Every callout in flight fails once (their retries are then in flight).
+    fn fail_once(&mut self, status: Option<u32>, body: &[u8], now: u64) {
         let sent = std::mem::take(&mut *self.host.sent.borrow_mut());
         for (token, ..) in sent {
-            self.worker.complete(
-                token,
-                status,
-                body,
-                &self.engine,
-                &self.store,
-                &self.metrics,
-                &self.host,
-                now,
-            );
+            self.complete(token, status, body, now);
         }
+    }
+
+    /// Every callout in flight fails, and so does its retry.
+    fn fail_all(&mut self, status: Option<u32>, body: &[u8], now: u64) {
+        self.fail_once(status, body, now);
+        self.fail_once(status, body, now);
     }
 }
 
@@ -365,11 +381,9 @@ fn the_filters_own_deadline_answers_waiters() {
     assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
     let timeout = rig.host.sent.borrow()[0].3;
     assert!(timeout <= 25, "callout timeout {timeout}");
-    rig.worker
-        .tick(&rig.engine, &rig.store, &rig.metrics, &rig.host, 20);
+    rig.tick(20);
     assert!(rig.host.replied.borrow().is_empty());
-    rig.worker
-        .tick(&rig.engine, &rig.store, &rig.metrics, &rig.host, 35);
+    rig.tick(35);
     assert_eq!(rig.host.replied.borrow().as_slice(), &[(1, 503)]);
     assert_eq!(rig.worker.waiting(), 0);
     // A late answer still credits the lease for later requests.
@@ -448,16 +462,13 @@ fn a_lease_whose_answer_was_lost_is_asked_again_under_its_id() {
     let (token, _, body, _) = rig.host.sent.borrow_mut().remove(0);
     let first: LeaseBatch = serde_json::from_slice(&body).unwrap();
     let _applied_but_lost = rig.limiter.answer(&body, 0);
-    rig.worker.complete(
-        token,
-        Some(504),
-        b"",
-        &rig.engine,
-        &rig.store,
-        &rig.metrics,
-        &rig.host,
-        30,
-    );
+    rig.complete(token, Some(504), b"", 30);
+    // Retried once at once under the same id; that answer is lost too.
+    let (token, _, body, _) = rig.host.sent.borrow_mut().remove(0);
+    let retried: LeaseBatch = serde_json::from_slice(&body).unwrap();
+    assert_eq!(retried.leases[0].id, first.leases[0].id);
+    assert_eq!(sink::value("tollgate_callout_retries"), 1);
+    rig.complete(token, Some(504), b"", 31);
     assert_eq!(rig.host.replied.borrow().as_slice(), &[(1, 503)]);
     // After the backoff, the next request for the key asks again with the same id, and the
     // limiter's dedup record hands over what it granted the first time.

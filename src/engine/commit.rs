@@ -1,0 +1,357 @@
+//! Commit: the steps of every enforced policy combined into the request's verdict, applied to
+//! the records all-or-nothing in one table transaction (an aborted or refused request consumes
+//! nothing; a lost CAS race refunds what was written), and shadow policies decided each on its
+//! own.
+
+use super::step::{ask_in_background, bucket_limits, Moment, Scratch, Spend, Step};
+use super::{Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, Plan, Verdict};
+use crate::global::DEADLINE_MARGIN_MS;
+use crate::shared::SharedData;
+use crate::table::{Record, Txn};
+use std::cell::RefCell;
+use tollgate_core::bucket::BucketState;
+use tollgate_core::policy::{FailureMode, Policy, Terminal};
+use tollgate_core::response::{self, PolicyStatus};
+
+impl Engine {
+    pub(super) fn decide_enforced(
+        &self,
+        plan: &Plan,
+        store: &impl SharedData,
+        now_ms: u64,
+        attempt: Attempt,
+        decision: &mut Decision,
+    ) {
+        let Some(items) = self.items(&plan.enforced) else {
+            return;
+        };
+        if items.is_empty() {
+            return;
+        }
+        let ids: Vec<&str> = plan.enforced.iter().map(|m| m.bucket_id.as_str()).collect();
+        let scratch = RefCell::new(Scratch::default());
+        let spends: RefCell<Vec<Spend>> = RefCell::new(Vec::new());
+        let result = self.table.transact(
+            store,
+            &ids,
+            now_ms,
+            |records| {
+                let mut scratch = scratch.borrow_mut();
+                *scratch = Scratch::default();
+                let at = Moment {
+                    now_ms,
+                    attempt,
+                    limiter: self.policies.limiter.as_ref(),
+                };
+                let steps: Vec<Step> = items
+                    .iter()
+                    .zip(records.iter_mut())
+                    .map(|((m, policy), record)| self.step(policy, m, record, at, &mut scratch))
+                    .collect();
+                let verdict = self.combine(&items, &steps, records, now_ms, &mut scratch);
+                *spends.borrow_mut() = steps
+                    .iter()
+                    .map(|s| match s {
+                        Step::Allow { spend, .. } if matches!(verdict.0, Verdict::Continue) => {
+                            *spend
+                        }
+                        _ => Spend::Nothing,
+                    })
+                    .collect();
+                for ((_, policy), record) in items.iter().zip(records.iter_mut()) {
+                    settle(record, policy);
+                }
+                Txn::Commit(verdict)
+            },
+            |index, before, after, current| {
+                // Undo the consumption only; housekeeping (flags, expiry) stays.
+                if let Some(((_, policy), spend)) = items.get(index).zip(spends.borrow().get(index))
+                {
+                    match spend {
+                        Spend::Lease(cost) => {
+                            current.lease.tokens = current.lease.tokens.saturating_add(*cost)
+                        }
+                        Spend::Bucket(_) => {
+                            let limits = bucket_limits(policy);
+                            let taken = before
+                                .bucket
+                                .map_or(limits.capacity(), |b| b.refilled(&limits, now_ms).tokens)
+                                - after.bucket.map_or(limits.capacity(), |b| b.tokens);
+                            let state = current
+                                .bucket
+                                .unwrap_or_else(|| BucketState::full(&limits, now_ms));
+                            current.bucket = Some(BucketState {
+                                tokens: (state.tokens + taken.max(0.0)).min(limits.capacity()),
+                                ..state
+                            });
+                        }
+                        Spend::Nothing => {}
+                    }
+                }
+            },
+        );
+        match result {
+            Ok(done) => {
+                decision.evictions += done.evictions;
+                let (verdict, outcomes, headers) = done.value;
+                decision.verdict = verdict;
+                decision.outcomes.extend(outcomes);
+                decision.response_headers = headers;
+                scratch.into_inner().drain_into(decision);
+            }
+            Err(error) => {
+                decision.table_error = Some(error);
+                for (m, policy) in &items {
+                    let outcome = when_table_fails(policy);
+                    decision.outcomes.push((m.index, outcome));
+                    if outcome == Outcome::FailClosed && decision.verdict == Verdict::Continue {
+                        decision.verdict =
+                            Verdict::Reply(response::limiter_unavailable(&policy.name));
+                    }
+                }
+            }
+        }
+    }
+
+    fn items<'a>(&'a self, matched: &'a [Matched]) -> Option<Vec<(&'a Matched, &'a Policy)>> {
+        matched
+            .iter()
+            .map(|m| self.policies.policies.get(m.index).map(|p| (m, p)))
+            .collect()
+    }
+
+    /// Combines the steps of all enforced policies into the request's verdict; applies the
+    /// spends to the records when the request is admitted.
+    #[allow(clippy::type_complexity)]
+    fn combine(
+        &self,
+        items: &[(&Matched, &Policy)],
+        steps: &[Step],
+        records: &mut [Record],
+        now_ms: u64,
+        scratch: &mut Scratch,
+    ) -> (Verdict, Vec<(usize, Outcome)>, Vec<(String, String)>) {
+        let denials: Vec<PolicyStatus<'_>> = items
+            .iter()
+            .zip(steps)
+            .filter_map(|((_, policy), step)| match step {
+                Step::Deny {
+                    remaining,
+                    retry_ms,
+                    ..
+                } => Some(status(policy, *remaining, *retry_ms)),
+                _ => None,
+            })
+            .collect();
+        if !denials.is_empty() {
+            let outcomes = items
+                .iter()
+                .zip(steps)
+                .filter_map(|((m, _), step)| match step {
+                    Step::Deny { outcome, .. } => Some((m.index, *outcome)),
+                    _ => None,
+                })
+                .collect();
+            return (
+                Verdict::Reply(response::too_many_requests(&denials)),
+                outcomes,
+                Vec::new(),
+            );
+        }
+        if let Some(((_, policy), _)) = items
+            .iter()
+            .zip(steps)
+            .find(|(_, s)| matches!(s, Step::Refuse))
+        {
+            let outcomes = items
+                .iter()
+                .zip(steps)
+                .filter(|(_, s)| matches!(s, Step::Refuse))
+                .map(|((m, _), _)| (m.index, Outcome::FailClosed))
+                .collect();
+            return (
+                Verdict::Reply(response::limiter_unavailable(&policy.name)),
+                outcomes,
+                Vec::new(),
+            );
+        }
+        if steps.iter().any(|s| matches!(s, Step::Need { .. })) {
+            for (((m, _), step), record) in items.iter().zip(steps).zip(records.iter_mut()) {
+                let Step::Need {
+                    min,
+                    want,
+                    demand_per_s,
+                    ask,
+                } = step
+                else {
+                    continue;
+                };
+                scratch.waiting_for.push(m.bucket_id.clone());
+                if !*ask {
+                    // Another request of this instance is asking for this key: its answer
+                    // serves this one too.
+                    continue;
+                }
+                if let Some(settings) = self.policies.limiter.as_ref() {
+                    record.lease.pending_until_ms =
+                        now_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
+                }
+                scratch.needs.push(LeaseNeed {
+                    policy: m.index,
+                    key: m.key.clone(),
+                    bucket_id: m.bucket_id.clone(),
+                    min: *min,
+                    want: *want,
+                    demand_per_s: *demand_per_s,
+                    blocking: true,
+                });
+            }
+            return (Verdict::Wait, Vec::new(), Vec::new());
+        }
+        let mut outcomes = Vec::with_capacity(items.len());
+        let mut statuses = Vec::with_capacity(items.len());
+        for (((m, policy), step), record) in items.iter().zip(steps).zip(records.iter_mut()) {
+            if let Step::Allow {
+                spend,
+                outcome,
+                remaining,
+                reset_ms,
+            } = step
+            {
+                match spend {
+                    Spend::Bucket(state) => record.bucket = Some(*state),
+                    Spend::Lease(cost) => {
+                        record.lease.tokens = record.lease.tokens.saturating_sub(*cost);
+                        self.refill_if_low(m, policy, record, now_ms, scratch);
+                    }
+                    Spend::Nothing => {}
+                }
+                outcomes.push((m.index, *outcome));
+                statuses.push(status(policy, *remaining, *reset_ms));
+            }
+        }
+        let headers = if self.policies.response.ratelimit_headers_on_allow {
+            response::allowed_headers(&statuses)
+        } else {
+            Vec::new()
+        };
+        (Verdict::Continue, outcomes, headers)
+    }
+
+    pub(super) fn decide_shadow(
+        &self,
+        matched: &Matched,
+        store: &impl SharedData,
+        now_ms: u64,
+        decision: &mut Decision,
+    ) {
+        let Some(policy) = self.policies.policies.get(matched.index) else {
+            return;
+        };
+        let scratch = RefCell::new(Scratch::default());
+        let result = self.table.transact(
+            store,
+            &[matched.bucket_id.as_str()],
+            now_ms,
+            |records| {
+                let mut scratch = scratch.borrow_mut();
+                *scratch = Scratch::default();
+                let Some(record) = records.first_mut() else {
+                    return Txn::Abort(Outcome::FailOpen);
+                };
+                let at = Moment {
+                    now_ms,
+                    attempt: Attempt::default(),
+                    limiter: self.policies.limiter.as_ref(),
+                };
+                let step = self.step(policy, matched, record, at, &mut scratch);
+                let outcome = match step {
+                    Step::Allow { spend, outcome, .. } => {
+                        match spend {
+                            Spend::Bucket(state) => record.bucket = Some(state),
+                            Spend::Lease(cost) => {
+                                record.lease.tokens = record.lease.tokens.saturating_sub(cost);
+                                self.refill_if_low(matched, policy, record, now_ms, &mut scratch);
+                            }
+                            Spend::Nothing => {}
+                        }
+                        outcome
+                    }
+                    Step::Deny { .. } => Outcome::ShadowDenied,
+                    Step::Refuse => Outcome::FailClosed,
+                    Step::Need { ask, .. } => {
+                        // Shadow never waits: ask in the background, count the request as allowed.
+                        if let (true, Some(settings)) = (ask, self.policies.limiter.as_ref()) {
+                            ask_in_background(
+                                matched,
+                                &mut record.lease,
+                                settings,
+                                now_ms,
+                                &mut scratch,
+                            );
+                        }
+                        Outcome::Allowed
+                    }
+                };
+                settle(record, policy);
+                Txn::Commit(outcome)
+            },
+            |_, _, _, _| {},
+        );
+        match result {
+            Ok(done) => {
+                decision.evictions += done.evictions;
+                decision.outcomes.push((matched.index, done.value));
+                scratch.into_inner().drain_into(decision);
+            }
+            Err(error) => {
+                decision.table_error = Some(error);
+                decision.outcomes.push((matched.index, Outcome::FailOpen));
+            }
+        }
+    }
+}
+
+/// Sets when a record becomes the same as a fresh one (its slot may then be reused).
+pub(super) fn settle(record: &mut Record, policy: &Policy) {
+    let limits = bucket_limits(policy);
+    let bucket_full_at = record.bucket.map_or(0, |b| b.full_at_ms(&limits));
+    let lease = &record.lease;
+    let lease_live = if lease.tokens > 0 {
+        lease.expires_ms
+    } else {
+        0
+    };
+    record.evictable_at_ms = bucket_full_at
+        .max(lease_live)
+        .max(lease.pending_until_ms)
+        .max(lease.denied_until_ms)
+        .max(lease.unavailable_until_ms)
+        .max(lease.assigned_until_ms)
+        .max(lease.drip_until_ms);
+}
+
+/// The failure mode when the local table itself cannot decide (full, contended, host error).
+/// There is no better local budget to fall back to, so `local` goes straight to its `then`.
+pub fn when_table_fails(policy: &Policy) -> Outcome {
+    let admit = match policy.failure {
+        FailureMode::Open => true,
+        FailureMode::Closed => false,
+        FailureMode::Local { then, .. } => then == Terminal::Open,
+    };
+    if admit || !policy.enforce {
+        Outcome::FailOpen
+    } else {
+        Outcome::FailClosed
+    }
+}
+
+pub(super) fn status(policy: &Policy, remaining: f64, reset_ms: u64) -> PolicyStatus<'_> {
+    PolicyStatus {
+        policy: &policy.name,
+        units: policy.units,
+        per_ms: policy.per_ms,
+        remaining,
+        reset_ms,
+    }
+}

@@ -1,0 +1,305 @@
+//! Step: what one policy's record says about a request, without committing anything.
+//!
+//! The local stage is a token bucket in the record. The global stage spends this instance's
+//! lease, or decides against its assignment (a share of the global refill rate that drips into
+//! the record: admissions *and denials* are local, and one renewal per period goes out in the
+//! background). Only a key with neither asks the limiter and waits; and only one request per
+//! key and instance asks at a time (the record's `pending_until_ms`), the others wait for its
+//! answer. [`Engine::undecided`] is the failure-mode wrapper around everything that needs the
+//! limiter.
+
+use super::{Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, ReturnNeed};
+use crate::global::{self, DEADLINE_MARGIN_MS};
+use crate::table::{Lease, Record};
+use tollgate_core::bucket::{try_take, BucketState, Decision as BucketDecision, Limits};
+use tollgate_core::policy::{FailureMode, LimiterSpec, Policy, Scope, Terminal};
+
+/// What one policy's record says about the request.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Step {
+    Allow {
+        spend: Spend,
+        outcome: Outcome,
+        remaining: f64,
+        reset_ms: u64,
+    },
+    Deny {
+        outcome: Outcome,
+        remaining: f64,
+        retry_ms: u64,
+    },
+    /// Fail closed.
+    Refuse,
+    /// Nothing local covers the cost: wait for a lease. `ask`: no other request of this
+    /// instance is asking for this key, so this one asks.
+    Need {
+        min: u64,
+        want: u64,
+        demand_per_s: f64,
+        ask: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Spend {
+    Nothing,
+    Bucket(BucketState),
+    Lease(u64),
+}
+
+/// Housekeeping collected while deciding (kept only from the decision that committed).
+#[derive(Debug, Default)]
+pub(super) struct Scratch {
+    pub needs: Vec<LeaseNeed>,
+    pub returns: Vec<ReturnNeed>,
+    pub expired: Vec<(usize, u64)>,
+    pub waiting_for: Vec<String>,
+}
+
+impl Scratch {
+    pub fn drain_into(self, decision: &mut Decision) {
+        decision.needs.extend(self.needs);
+        decision.returns.extend(self.returns);
+        decision.expired.extend(self.expired);
+        decision.waiting_for.extend(self.waiting_for);
+    }
+}
+
+/// What every step of one decision shares.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Moment<'a> {
+    pub now_ms: u64,
+    pub attempt: Attempt,
+    pub limiter: Option<&'a LimiterSpec>,
+}
+
+impl Engine {
+    /// What one policy's record says. May change the record's housekeeping (expired leases,
+    /// the demand estimate, drips, renewals); consumption is applied only if the request passes.
+    pub(super) fn step(
+        &self,
+        policy: &Policy,
+        matched: &Matched,
+        record: &mut Record,
+        at: Moment<'_>,
+        scratch: &mut Scratch,
+    ) -> Step {
+        match (policy.scope, at.limiter) {
+            (Scope::Global, Some(settings)) => {
+                self.global_step(policy, matched, record, at, settings, scratch)
+            }
+            _ => bucket_step(
+                &policy.limits,
+                record.bucket,
+                at.now_ms,
+                matched.cost,
+                Outcome::Allowed,
+                Outcome::Denied,
+            ),
+        }
+    }
+
+    fn global_step(
+        &self,
+        policy: &Policy,
+        matched: &Matched,
+        record: &mut Record,
+        at: Moment<'_>,
+        settings: &LimiterSpec,
+        scratch: &mut Scratch,
+    ) -> Step {
+        let (cost, now_ms) = (matched.cost, at.now_ms);
+        let lease = &mut record.lease;
+        if at.attempt.round == 0 {
+            global::observe_demand(lease, cost, now_ms);
+        }
+        global::accrue(lease, now_ms);
+        let seq = lease.seq;
+        if let Some((returnable, expired)) = global::expire(lease, now_ms) {
+            if returnable > 0 {
+                scratch.returns.push(ReturnNeed {
+                    policy: matched.index,
+                    key: matched.key.clone(),
+                    seq,
+                    unused: returnable,
+                });
+            }
+            if expired > 0 {
+                scratch.expired.push((matched.index, expired));
+            }
+        }
+        if global::renewal_due(lease, now_ms) {
+            // Nothing may drip after the renewal is asked for (the limiter gives the rest of
+            // the running assignment back when it decides); decisions stay local meanwhile.
+            global::stop_drip(lease, now_ms);
+            ask_in_background(matched, lease, settings, now_ms, scratch);
+            lease.assigned_until_ms = lease.assigned_until_ms.max(lease.pending_until_ms);
+        }
+        if lease.tokens >= cost {
+            let left = (lease.tokens - cost) as f64;
+            return Step::Allow {
+                spend: Spend::Lease(cost),
+                outcome: Outcome::Allowed,
+                remaining: left,
+                reset_ms: policy
+                    .limits
+                    .millis_to_refill(policy.limits.capacity() - left),
+            };
+        }
+        if global::assigned(lease, now_ms) {
+            return Step::Deny {
+                outcome: Outcome::Denied,
+                remaining: lease.tokens as f64,
+                retry_ms: global::assignment_retry_ms(lease, cost, now_ms),
+            };
+        }
+        if lease.denied_until_ms > now_ms {
+            return Step::Deny {
+                outcome: Outcome::Denied,
+                remaining: 0.0,
+                retry_ms: lease.denied_until_ms - now_ms,
+            };
+        }
+        if at.attempt.deadline_passed || lease.unavailable_until_ms > now_ms {
+            if lease.unavailable_until_ms > now_ms && lease.pending_until_ms <= now_ms {
+                // One probe per instance finds out when the limiter is back.
+                ask_in_background(matched, lease, settings, now_ms, scratch);
+            }
+            return self.undecided(policy, record, now_ms, cost);
+        }
+        let want = global::want(lease, cost, settings, now_ms);
+        Step::Need {
+            min: cost,
+            want,
+            demand_per_s: global::reported_demand(lease, want, settings, now_ms),
+            ask: lease.pending_until_ms <= now_ms,
+        }
+    }
+
+    /// The failure-mode wrapper: the one place that says what a policy does when the limiter
+    /// cannot decide for it.
+    pub(super) fn undecided(
+        &self,
+        policy: &Policy,
+        record: &Record,
+        now_ms: u64,
+        cost: u64,
+    ) -> Step {
+        let admit = Step::Allow {
+            spend: Spend::Nothing,
+            outcome: Outcome::FailOpen,
+            remaining: 0.0,
+            reset_ms: 0,
+        };
+        match policy.failure {
+            FailureMode::Open => admit,
+            FailureMode::Closed => Step::Refuse,
+            FailureMode::Local {
+                share,
+                stale_ttl_ms,
+                then,
+            } => {
+                let since = match record.lease.unavailable_since_ms {
+                    0 => now_ms,
+                    since => since,
+                };
+                if now_ms.saturating_sub(since) <= stale_ttl_ms {
+                    let limits = policy.limits.scaled(share);
+                    bucket_step(
+                        &limits,
+                        record.bucket,
+                        now_ms,
+                        cost,
+                        Outcome::FallbackAllowed,
+                        Outcome::FallbackDenied,
+                    )
+                } else if then == Terminal::Open {
+                    admit
+                } else {
+                    Step::Refuse
+                }
+            }
+        }
+    }
+
+    /// After an admitted spend of a lease: refill in the background when it runs low (an
+    /// assignment renews on its own schedule instead).
+    pub(super) fn refill_if_low(
+        &self,
+        matched: &Matched,
+        policy: &Policy,
+        record: &mut Record,
+        now_ms: u64,
+        scratch: &mut Scratch,
+    ) {
+        let Some(settings) = self.policies.limiter.as_ref() else {
+            return;
+        };
+        let lease = &mut record.lease;
+        if policy.scope == Scope::Global
+            && !global::assigned(lease, now_ms)
+            && lease.pending_until_ms <= now_ms
+            && global::below_low_water(lease, settings)
+        {
+            ask_in_background(matched, lease, settings, now_ms, scratch);
+        }
+    }
+}
+
+/// Queues a lease request nobody waits for (refill, renewal, probe) and marks the key as
+/// asking, so no other request of this instance asks for it meanwhile.
+pub(super) fn ask_in_background(
+    matched: &Matched,
+    lease: &mut Lease,
+    settings: &LimiterSpec,
+    now_ms: u64,
+    scratch: &mut Scratch,
+) {
+    lease.pending_until_ms = now_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
+    let want = global::want(lease, matched.cost, settings, now_ms);
+    scratch.needs.push(LeaseNeed {
+        policy: matched.index,
+        key: matched.key.clone(),
+        bucket_id: matched.bucket_id.clone(),
+        min: matched.cost,
+        want,
+        demand_per_s: global::reported_demand(lease, want, settings, now_ms),
+        blocking: false,
+    });
+}
+
+pub(super) fn bucket_step(
+    limits: &Limits,
+    bucket: Option<BucketState>,
+    now_ms: u64,
+    cost: u64,
+    allowed: Outcome,
+    denied: Outcome,
+) -> Step {
+    let (state, decision) = try_take(limits, bucket, now_ms, cost);
+    match decision {
+        BucketDecision::Allowed { remaining } => Step::Allow {
+            spend: Spend::Bucket(state),
+            outcome: allowed,
+            remaining,
+            reset_ms: state.full_at_ms(limits).saturating_sub(now_ms),
+        },
+        BucketDecision::Denied {
+            retry_after_ms,
+            remaining,
+        } => Step::Deny {
+            outcome: denied,
+            remaining,
+            retry_ms: retry_after_ms,
+        },
+    }
+}
+
+/// The limits of a record's token bucket: the policy's own for `local` policies; for `global`
+/// ones the bucket is the fallback budget (`share` of the rate) used while the limiter is away.
+pub(super) fn bucket_limits(policy: &Policy) -> Limits {
+    match (policy.scope, policy.failure) {
+        (Scope::Global, FailureMode::Local { share, .. }) => policy.limits.scaled(share),
+        _ => policy.limits,
+    }
+}
