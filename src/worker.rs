@@ -186,7 +186,7 @@ impl Worker {
             let batch = self.take_queued();
             let mut failed = Vec::new();
             for chunk in chunks(batch) {
-                failed.extend(self.send_leases(chunk, ctx));
+                failed.extend(self.send_leases(chunk, ctx, true));
             }
             self.send_returns(ctx);
             if failed.is_empty() {
@@ -251,11 +251,13 @@ impl Worker {
     }
 
     /// Sends one batch of lease requests; returns the bucket ids whose callout could not even
-    /// be sent (already marked unavailable).
+    /// be sent (already marked unavailable). `for_waiters`: the callout may not outlive the
+    /// requests waiting for it (a retry, made for the key's sake, takes the full timeout).
     fn send_leases<S: SharedData, H: Host>(
         &mut self,
         chunk: Vec<Asked>,
         ctx: &Ctx<'_, S, H>,
+        for_waiters: bool,
     ) -> Vec<String> {
         if chunk.is_empty() {
             return Vec::new();
@@ -283,7 +285,11 @@ impl Worker {
         for a in &chunk {
             ctx.metrics.lease(a.need.policy, LeaseEvent::Requested);
         }
-        let timeout = self.callout_timeout(&chunk, settings.timeout.0, ctx.now_ms);
+        let timeout = if for_waiters {
+            self.callout_timeout(&chunk, settings.timeout.0, ctx.now_ms)
+        } else {
+            settings.timeout.0
+        };
         match ctx
             .host
             .dispatch(LEASES_PATH, &global::lease_body(requests), timeout)
@@ -484,7 +490,7 @@ impl Worker {
         ctx.metrics.callout_retried(items.len());
         let mut failed = Vec::new();
         for chunk in chunks(items) {
-            failed.extend(self.send_leases(chunk, ctx));
+            failed.extend(self.send_leases(chunk, ctx, false));
         }
         failed
     }

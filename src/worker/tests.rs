@@ -10,7 +10,8 @@ use crate::shared::MemorySharedData;
 use crate::table::SlotTable;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use tollgate_core::bucket::{lease, BucketState};
+use tollgate_core::assign::{allot, Ask, Holding, Terms};
+use tollgate_core::bucket::{lease, BucketState, Limits};
 use tollgate_core::policy::Policies;
 use tollgate_core::protocol::{LeaseBatch, LeaseBatchResponse, LeaseGranted, LeaseResult};
 
@@ -56,6 +57,10 @@ impl Host for FakeHost {
 struct FakeLimiter {
     buckets: RefCell<HashMap<String, BucketState>>,
     capacity: u64,
+    /// With terms: the limiter's real rule (`assign::allot`, leases or assignments) at
+    /// `limits`, instead of plain leases of 1 unit per hour.
+    assigning: Option<(Limits, Terms)>,
+    holdings: RefCell<HashMap<String, Vec<Holding>>>,
     /// Lease ids already decided: a repeated id answers the same, taking nothing (dedup).
     seen: RefCell<HashMap<String, LeaseResult>>,
 }
@@ -73,17 +78,39 @@ impl FakeLimiter {
                 }
                 let k = format!("{}:{}", r.policy, r.key);
                 let state = self.buckets.borrow().get(&k).copied();
-                let (next, grant) = lease(&limits, state, now, r.min, r.want);
-                self.buckets.borrow_mut().insert(k, next);
-                let result = LeaseResult::Granted(LeaseGranted {
-                    id: r.id.clone(),
-                    granted: grant.granted,
-                    remaining: grant.remaining,
-                    retry_after_ms: grant.retry_after_ms,
-                    expires_ms: 2_000,
-                    share_per_s: 0.0,
-                    period_ms: 0,
-                });
+                let result = if let Some((limits, terms)) = self.assigning {
+                    let mut holdings = self.holdings.borrow_mut();
+                    let held = holdings.entry(k.clone()).or_default();
+                    let ask = Ask {
+                        min: r.min,
+                        want: r.want.min(limits.capacity() as u64),
+                        holder: r.holder.as_deref(),
+                        demand_per_ms: r.demand_per_s.unwrap_or(0.0) / 1_000.0,
+                    };
+                    let (next, a) = allot(&limits, state, held, now, ask, terms);
+                    self.buckets.borrow_mut().insert(k, next);
+                    LeaseResult::Granted(LeaseGranted {
+                        id: r.id.clone(),
+                        granted: a.granted,
+                        remaining: a.remaining,
+                        retry_after_ms: a.retry_after_ms,
+                        expires_ms: 2_000 + a.period_ms,
+                        share_per_s: a.share_per_ms * 1_000.0,
+                        period_ms: a.period_ms,
+                    })
+                } else {
+                    let (next, grant) = lease(&limits, state, now, r.min, r.want);
+                    self.buckets.borrow_mut().insert(k, next);
+                    LeaseResult::Granted(LeaseGranted {
+                        id: r.id.clone(),
+                        granted: grant.granted,
+                        remaining: grant.remaining,
+                        retry_after_ms: grant.retry_after_ms,
+                        expires_ms: 2_000,
+                        share_per_s: 0.0,
+                        period_ms: 0,
+                    })
+                };
                 self.seen.borrow_mut().insert(r.id.clone(), result.clone());
                 result
             })
@@ -167,6 +194,8 @@ impl Rig {
             limiter: FakeLimiter {
                 buckets: RefCell::new(HashMap::new()),
                 capacity: 100,
+                assigning: None,
+                holdings: RefCell::new(HashMap::new()),
                 seen: RefCell::new(HashMap::new()),
             },
         }
@@ -485,4 +514,178 @@ fn a_lease_whose_answer_was_lost_is_asked_again_under_its_id() {
     }
     let ids: Vec<String> = rig.limiter.seen.borrow().keys().cloned().collect();
     assert!(ids.len() >= 2, "{ids:?}");
+}
+
+/// 50 units/s, burst 15, a lease of up to a second of demand.
+const FIFTY_PER_S: &str = r#"{"policies":[{"name":"g","key":[{"header":"x-tenant-id"}],"rate":{"units":50,"per":"1s"},"burst":15,
+    "scope":"global","on_unavailable":{"mode":"closed"}}],
+    "limiter":{"cluster":"limiter","timeout":"25ms"}}"#;
+
+fn assigning_rig() -> Rig {
+    let mut rig = Rig::new(FIFTY_PER_S);
+    rig.limiter.assigning = Some((
+        Limits::new(50, 1_000, 15).unwrap(),
+        Terms {
+            period_ms: 1_000,
+            lease_ttl_ms: 2_000,
+        },
+    ));
+    rig
+}
+
+fn lease_callouts(rig: &Rig) -> usize {
+    rig.host
+        .sent
+        .borrow()
+        .iter()
+        .filter(|(_, path, _, _)| path == LEASES_PATH)
+        .count()
+}
+
+#[test]
+fn overload_is_decided_locally_against_an_assignment() {
+    // 200 requests/s (4x the rate) for 4 s, answered at once: admitted within the global
+    // bound, denials local (no callout), one renewal per period after the first second.
+    let mut rig = assigning_rig();
+    let (mut admitted, mut denied) = (0u64, 0u64);
+    let mut callouts_after_first_second = 0;
+    let mut retry_after = Vec::new();
+    for i in 0..800u32 {
+        let now = 1_000 + u64::from(i) * 5;
+        match rig.request(i + 1, "t", now) {
+            Verdict::Continue => admitted += 1,
+            Verdict::Reply(reply) => {
+                assert_eq!(reply.status, 429);
+                denied += 1;
+                let (_, v) = reply
+                    .headers
+                    .iter()
+                    .find(|(k, _)| k == "retry-after")
+                    .unwrap();
+                retry_after.push(v.parse::<u64>().unwrap());
+            }
+            Verdict::Wait => {}
+        }
+        if now >= 2_000 {
+            callouts_after_first_second += lease_callouts(&rig);
+        }
+        rig.answer_all(now);
+    }
+    admitted += rig.host.resumed.borrow().len() as u64;
+    denied += rig
+        .host
+        .replied
+        .borrow()
+        .iter()
+        .filter(|(_, s)| *s == 429)
+        .count() as u64;
+    // Over 4 s: at most burst + rate·t = 15 + 200; at least 95 % of rate·t.
+    assert!(admitted <= 215, "admitted {admitted}");
+    assert!(admitted >= 190, "admitted {admitted}");
+    assert_eq!(admitted + denied, 800);
+    // One renewal per period (and a little): about 1.33/s over 3 s.
+    assert!(
+        callouts_after_first_second <= 3 * 3,
+        "{callouts_after_first_second} lease callouts in 3 s"
+    );
+    assert!(sink::value("tollgate_assignments.policy.g") >= 3);
+    // Retry-After is this instance's next chance at its share (a token every 20 ms).
+    assert!(retry_after.iter().all(|s| *s <= 1), "{retry_after:?}");
+}
+
+#[test]
+fn a_slow_callout_is_retried_once_and_the_key_stays_healthy() {
+    let mut rig = assigning_rig();
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    // The limiter answers too late: Envoy times the callout out; the filter asks again with
+    // the same id at once, with the full timeout.
+    let (token, _, body, _) = rig.host.sent.borrow_mut().remove(0);
+    let first: LeaseBatch = serde_json::from_slice(&body).unwrap();
+    rig.complete(token, Some(504), b"", 25);
+    let (_, _, retry, timeout) = rig.host.sent.borrow()[0].clone();
+    let retry: LeaseBatch = serde_json::from_slice(&retry).unwrap();
+    assert_eq!(retry.leases[0].id, first.leases[0].id);
+    assert_eq!(timeout, 25);
+    // The first request's own deadline passes: it alone takes the failure mode.
+    rig.tick(35);
+    assert_eq!(rig.host.replied.borrow().as_slice(), &[(1, 503)]);
+    // Requests arriving meanwhile wait for the retry instead of failing or asking again.
+    assert_eq!(rig.request(2, "t", 36), Verdict::Wait);
+    assert_eq!(rig.request(3, "t", 37), Verdict::Wait);
+    assert_eq!(lease_callouts(&rig), 1);
+    rig.answer_all(40);
+    let mut resumed = rig.host.resumed.borrow().clone();
+    resumed.sort();
+    assert_eq!(resumed, vec![2, 3]);
+    assert_eq!(sink::value("tollgate_fail_closed.policy.g"), 1);
+    assert_eq!(sink::value("tollgate_lease_unavailable.policy.g"), 0);
+}
+
+#[test]
+fn one_request_per_instance_asks_for_a_key_and_other_workers_wait_for_it() {
+    let mut rig = assigning_rig();
+    let mut other = Worker::new(0xabc, 2);
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    assert_eq!(lease_callouts(&rig), 1);
+    // The second worker's request finds the key being asked for: it waits, asking nothing.
+    let facts = RequestFacts {
+        method: "GET".into(),
+        path: "/x".into(),
+        host: "h".into(),
+    };
+    let plan = rig.engine.plan(&facts, &Req("t"));
+    let decision = rig.engine.decide(&plan, &rig.store, 1, Attempt::default());
+    assert_eq!(decision.verdict, Verdict::Wait);
+    assert!(decision.needs.is_empty());
+    assert!(other.wait(9, plan, &decision, 36, Rc::new(RefCell::new(Vec::new()))));
+    rig.answer_all(2);
+    assert_eq!(rig.host.resumed.borrow().as_slice(), &[1]);
+    // Its tick looks at the shared record again and finds the lease.
+    other.tick(&rig.ctx(7));
+    assert_eq!(rig.host.resumed.borrow().as_slice(), &[1, 9]);
+    assert_eq!(other.waiting(), 0);
+}
+
+#[test]
+fn a_late_denial_never_hides_tokens_the_instance_holds() {
+    let rig = assigning_rig();
+    let facts = RequestFacts {
+        method: "GET".into(),
+        path: "/x".into(),
+        host: "h".into(),
+    };
+    let plan = rig.engine.plan(&facts, &Req("t"));
+    let m = &plan.enforced[0];
+    let need = LeaseNeed {
+        policy: m.index,
+        key: m.key.clone(),
+        bucket_id: m.bucket_id.clone(),
+        min: 1,
+        want: 5,
+        demand_per_s: 1.0,
+        blocking: true,
+    };
+    let grant = LeaseGranted {
+        id: "a".into(),
+        granted: 1,
+        remaining: 0.0,
+        retry_after_ms: 0,
+        expires_ms: 2_000,
+        share_per_s: 0.0,
+        period_ms: 0,
+    };
+    rig.engine
+        .credit(&rig.store, &need, &grant, 1, 0, true)
+        .unwrap();
+    let denial = LeaseGranted {
+        id: "b".into(),
+        granted: 0,
+        retry_after_ms: 720_000,
+        ..grant
+    };
+    rig.engine
+        .credit(&rig.store, &need, &denial, 2, 1, true)
+        .unwrap();
+    let d = rig.engine.decide(&plan, &rig.store, 2, Attempt::default());
+    assert_eq!(d.verdict, Verdict::Continue);
 }
