@@ -1,0 +1,366 @@
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+//! End-to-end tests of global limiting under sustained overload: real Envoys (shipped
+//! `envoy/global.yaml`, two workers each) loading the built filter, the real limiter on a real
+//! `redis-server`. Above the limit each instance holds an assignment (a share of the global
+//! refill rate by its demand) and decides admissions and denials locally: the budget holds,
+//! the lease calls stay at about one renewal per period whatever the demand, and the budget
+//! splits by demand between the instances.
+
+use std::time::{Duration, Instant};
+
+use tollgate_e2e::client::{burst_detailed, Timed};
+use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
+use tollgate_e2e::{
+    send, Envoy, EnvoyOptions, HarnessError, RedisServer, RequestSpec, Response, Upstream,
+};
+
+const POLICY_NAME: &str = "per-tenant";
+/// Pacing of the overload runs.
+const TICK_MS: u64 = 40;
+
+fn policy(units: u64, per: &str, burst: u64, timeout: &str) -> String {
+    format!(
+        r#"{{
+  "policies": [{{
+    "name": "{POLICY_NAME}",
+    "match": {{ "routes": ["GET /items/{{id}}"] }},
+    "key": [{{ "header": "x-tenant-id" }}],
+    "rate": {{ "units": {units}, "per": "{per}" }},
+    "burst": {burst},
+    "scope": "global",
+    "on_unavailable": {{ "mode": "closed" }}
+  }}],
+  "limiter": {{ "cluster": "tollgate_limiter", "timeout": "{timeout}" }}
+}}"#
+    )
+}
+
+fn item(tenant: &str, i: usize) -> RequestSpec {
+    RequestSpec::get(format!("/items/{i}")).header("x-tenant-id", tenant)
+}
+
+fn start_envoy(policy: &str, upstream: &Upstream, limiter_port: u16, workers: u32) -> (Envoy, u16) {
+    let envoy = Envoy::start(
+        EnvoyOptions::new(envoy_config(
+            "envoy/global.yaml",
+            policy,
+            upstream.port(),
+            Some(limiter_port),
+        ))
+        .concurrency(workers)
+        .log_level("warn"),
+    );
+    let port = envoy.listener_port("ingress");
+    (envoy, port)
+}
+
+fn counter(envoy: &Envoy, what: &str) -> u64 {
+    prometheus_value(
+        &envoy.stats_prometheus(),
+        &format!("tollgate_{what}{{policy=\"{POLICY_NAME}\"}}"),
+    ) as u64
+}
+
+/// What one instance saw during a paced run.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    offered: u64,
+    admitted: u64,
+    /// Admitted after the warm-up (the split between instances is judged on these).
+    admitted_steady: u64,
+    denied: u64,
+    other: u64,
+}
+
+/// Paced demand on two instances for `seconds`: every 40 ms, `per_tick.0` requests to `a` and
+/// `per_tick.1` to `b`, one tenant. Returns the tallies and the elapsed time; `at_one_second`
+/// is called once, one second in (to read counters after the start-up).
+async fn paced(
+    ports: (u16, u16),
+    per_tick: (usize, usize),
+    seconds: u64,
+    tenant: &'static str,
+    warmup: Duration,
+    mut at_one_second: impl FnMut(),
+) -> ((Tally, Tally), f64) {
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
+    let mut rounds = Vec::new();
+    let mut read = false;
+    for round in 0..(seconds * 1_000 / TICK_MS) as usize {
+        tick.tick().await;
+        if !read && start.elapsed() >= Duration::from_secs(1) {
+            at_one_second();
+            read = true;
+        }
+        let steady = start.elapsed() >= warmup;
+        rounds.push(tokio::spawn(async move {
+            let (ra, rb) = tokio::join!(
+                burst_detailed(
+                    ports.0,
+                    per_tick.0,
+                    per_tick.0,
+                    Duration::from_secs(5),
+                    |i| item(tenant, round * 100 + i)
+                ),
+                burst_detailed(
+                    ports.1,
+                    per_tick.1,
+                    per_tick.1,
+                    Duration::from_secs(5),
+                    |i| item(tenant, round * 100 + 50 + i)
+                ),
+            );
+            let tally = |results: Vec<Timed<Result<Response, HarnessError>>>| {
+                let mut t = Tally::default();
+                for r in results {
+                    t.offered += 1;
+                    match &r.response {
+                        Ok(resp) if resp.status == 200 => {
+                            t.admitted += 1;
+                            if steady {
+                                t.admitted_steady += 1;
+                            }
+                        }
+                        Ok(resp) if resp.status == 429 => t.denied += 1,
+                        _ => t.other += 1,
+                    }
+                }
+                t
+            };
+            (tally(ra), tally(rb))
+        }));
+    }
+    let (mut a, mut b) = (Tally::default(), Tally::default());
+    for round in rounds {
+        let (ra, rb) = round.await.unwrap();
+        for (sum, part) in [(&mut a, ra), (&mut b, rb)] {
+            sum.offered += part.offered;
+            sum.admitted += part.admitted;
+            sum.admitted_steady += part.admitted_steady;
+            sum.denied += part.denied;
+            sum.other += part.other;
+        }
+    }
+    ((a, b), start.elapsed().as_secs_f64())
+}
+
+/// One overload run: bounds on admitted units, lease calls per instance per second after the
+/// first second, and the split of the admitted budget between the instances.
+async fn overload_run(per_tick: (usize, usize), tenant: &'static str) {
+    let (rate, burst, seconds) = (50u64, 15u64, 8u64);
+    let redis = RedisServer::start();
+    let policy = policy(rate, "1s", burst, "2s");
+    let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    let upstream = Upstream::start();
+    let (a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    let (b, port_b) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    let mut calls_at_one_second = (0, 0);
+    let ((ta, tb), elapsed) = paced(
+        (port_a, port_b),
+        per_tick,
+        seconds,
+        tenant,
+        Duration::from_secs(2),
+        || {
+            calls_at_one_second = (
+                counter(&a, "lease_requests"),
+                counter(&b, "lease_requests"),
+            )
+        },
+    )
+    .await;
+    let calls = (
+        counter(&a, "lease_requests") - calls_at_one_second.0,
+        counter(&b, "lease_requests") - calls_at_one_second.1,
+    );
+    let admitted = ta.admitted + tb.admitted;
+    let demand = (ta.offered + tb.offered) as f64 / elapsed;
+    let upper = rate as f64 * elapsed + burst as f64;
+    let lower = 0.95 * rate as f64 * seconds as f64;
+    let per_instance_per_s = (
+        calls.0 as f64 / (elapsed - 1.0),
+        calls.1 as f64 / (elapsed - 1.0),
+    );
+    println!(
+        "demand {demand:.0}/s ({:.1}x the rate), split {}:{}: admitted {admitted} in {elapsed:.2} s \
+         (allowed [{lower:.0}, {upper:.0}]), instance A {:?}, B {:?}; lease calls per second \
+         after the first: A {:.2}, B {:.2}; assignments A {}, B {}",
+        demand / rate as f64,
+        per_tick.0,
+        per_tick.1,
+        ta,
+        tb,
+        per_instance_per_s.0,
+        per_instance_per_s.1,
+        counter(&a, "assignments"),
+        counter(&b, "assignments"),
+    );
+    assert_eq!(ta.other + tb.other, 0, "only 200 and 429 answers");
+    assert!(admitted as f64 <= upper, "overshoot: {admitted} > {upper}");
+    assert!(admitted as f64 >= lower, "under-use: {admitted} < {lower}");
+    assert_eq!(upstream.requests(), admitted);
+    for (name, per_s) in [("A", per_instance_per_s.0), ("B", per_instance_per_s.1)] {
+        assert!(
+            per_s <= 3.0,
+            "instance {name}: {per_s:.2} lease calls per second for one key"
+        );
+    }
+    assert!(counter(&a, "assignments") > 0 && counter(&b, "assignments") > 0);
+    // The split after the warm-up follows the demand split, within ±10 %.
+    let want = per_tick.0 as f64 / per_tick.1 as f64;
+    let got = ta.admitted_steady as f64 / tb.admitted_steady.max(1) as f64;
+    assert!(
+        (got - want).abs() <= 0.1 * want,
+        "admitted split {got:.2} for a demand split of {want:.2} ({} vs {})",
+        ta.admitted_steady,
+        tb.admitted_steady
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_times_the_rate_split_evenly_holds_the_budget_with_few_lease_calls() {
+    // 3 × 50/s: 75 requests/s to each instance (3 per 40 ms).
+    overload_run((3, 3), "even").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_times_the_rate_split_three_to_one_follows_the_demand() {
+    // 10 × 50/s = 500/s: 375/s to A and 125/s to B (15 and 5 per 40 ms).
+    overload_run((15, 5), "uneven").await;
+}
+
+/// The sequential client: 5 per hour, burst 5; 7 requests one after another per tenant, a new
+/// connection each, 30 tenants at once, one Envoy. Every tenant gets exactly its burst: 5 × 200
+/// then 2 × 429, whatever worker each request lands on.
+async fn sequential_clients_get_exactly_their_burst(workers: u32) {
+    let policy = policy(5, "1h", 5, "2s");
+    let limiter = Limiter::start(&policy, Store::Memory, &[]);
+    let upstream = Upstream::start();
+    let (envoy, port) = start_envoy(&policy, &upstream, limiter.port(), workers);
+    let mut tenants = Vec::new();
+    for t in 0..30 {
+        tenants.push(tokio::spawn(async move {
+            let tenant = format!("seq-{t}");
+            let mut statuses = Vec::new();
+            for i in 0..7 {
+                statuses.push(send(port, item(&tenant, i)).await.status);
+            }
+            (tenant, statuses)
+        }));
+    }
+    for t in tenants {
+        let (tenant, statuses) = t.await.unwrap();
+        assert_eq!(
+            statuses,
+            vec![200, 200, 200, 200, 200, 429, 429],
+            "tenant {tenant} with --concurrency {workers}"
+        );
+    }
+    assert_eq!(upstream.requests(), 150);
+    println!(
+        "--concurrency {workers}: 30 tenants × exactly 5 admitted; {} lease calls",
+        counter(&envoy, "lease_requests")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_clients_get_exactly_their_burst_on_two_workers() {
+    sequential_clients_get_exactly_their_burst(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_clients_get_exactly_their_burst_on_four_workers() {
+    sequential_clients_get_exactly_their_burst(4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn denials_under_overload_cost_no_callout() {
+    let redis = RedisServer::start();
+    let policy = policy(20, "1s", 5, "2s");
+    let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    let upstream = Upstream::start();
+    let (envoy, port) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    // Overload until the instance holds an assignment.
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut round = 0;
+    while counter(&envoy, "assignments") == 0 {
+        assert!(Instant::now() < deadline, "no assignment within 10 s");
+        tick.tick().await;
+        burst_detailed(port, 4, 4, Duration::from_secs(5), |i| {
+            item("hot", round * 10 + i)
+        })
+        .await;
+        round += 1;
+    }
+    // Then 600 requests in 1.2 s (25x the rate): hundreds of denials, a renewal or two.
+    let before = (counter(&envoy, "lease_requests"), counter(&envoy, "denied"));
+    for r in 0..60 {
+        tick.tick().await;
+        burst_detailed(port, 10, 10, Duration::from_secs(5), |i| {
+            item("hot", 10_000 + r * 10 + i)
+        })
+        .await;
+    }
+    let calls = counter(&envoy, "lease_requests") - before.0;
+    let denied = counter(&envoy, "denied") - before.1;
+    println!("overload: {denied} denials answered with {calls} lease calls");
+    assert!(denied >= 500, "{denied} denials");
+    assert!(calls <= 6, "{calls} lease calls for {denied} denials");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_slow_answer_is_retried_and_sends_no_run_of_failure_mode_answers() {
+    // A closed policy with a 200 ms callout deadline. The limiter stops answering for 250 ms
+    // while a cold burst starts (the first callout misses its deadline; its retry, sent at
+    // once under the same id, is answered when the limiter is back), then answers normally:
+    // only requests that waited their whole deadline fail, none sent after the limiter is back.
+    let redis = RedisServer::start();
+    let policy = policy(1_000, "1s", 1_000, "200ms");
+    let mut limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    let upstream = Upstream::start();
+    let (envoy, port) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    // Warm the connection to the limiter with another tenant.
+    assert_eq!(send(port, item("warm", 0)).await.status, 200);
+    limiter.pause();
+    let paused_at = Instant::now();
+    let mut resumed_at = None;
+    let mut sent = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    for i in 0..80 {
+        tick.tick().await;
+        if resumed_at.is_none() && paused_at.elapsed() >= Duration::from_millis(250) {
+            limiter.resume();
+            resumed_at = Some(Instant::now());
+        }
+        let at = Instant::now();
+        sent.push(tokio::spawn(async move {
+            let r = send(port, item("cold", i)).await;
+            (at, r.status)
+        }));
+    }
+    let resumed_at = resumed_at.unwrap();
+    let mut failed_after_resume = 0;
+    let mut failed = 0;
+    for s in sent {
+        let (at, status) = s.await.unwrap();
+        assert!(status == 200 || status == 503, "{status}");
+        if status == 503 {
+            failed += 1;
+            if at >= resumed_at {
+                failed_after_resume += 1;
+            }
+        }
+    }
+    let retries = prometheus_value(&envoy.stats_prometheus(), "tollgate_callout_retries");
+    println!("slow answer: {failed} of 80 answered 503, {retries} lease requests retried");
+    assert!(retries >= 1.0, "the slow callout was retried");
+    assert_eq!(failed_after_resume, 0, "503 after the limiter answered again");
+    assert_eq!(counter(&envoy, "lease_unavailable"), 0);
+}
