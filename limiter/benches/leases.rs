@@ -4,7 +4,7 @@
 //! store) it starts the limiter in-process, drives `POST /v1/leases` (one lease per request,
 //! 10 000 tenants, fresh lease ids, want 10) over many keep-alive HTTP/1.1 connections for a
 //! few seconds, and prints leases/s with p50/p99 latency. Next to it, `redis-benchmark` runs
-//! the very `FCALL tollgate_v1_lease` the limiter issues (same library, same argument shapes)
+//! the very `FCALL tollgate_v2_lease` the limiter issues (same library, same argument shapes)
 //! with the same concurrency, and the ratio shows what the HTTP hop, JSON and validation cost.
 //! Everything (load generator, limiter, Redis) shares this machine's cores: read the figures
 //! as relative, not as a capacity plan.
@@ -159,18 +159,23 @@ fn redis_benchmark(port: u16, cluster: bool, clients: usize, seconds: u64) -> Op
     if cluster {
         cmd.arg("--cluster");
     }
+    // Record TTL, assignment period, lease TTL; capacity, refill/ms, min, want, no holder
+    // (the benchmark's requests name none), demand 0.
     cmd.args([
         "FCALL",
-        "tollgate_v1_lease",
+        "tollgate_v2_lease",
         "2",
         &bucket,
         &record,
         "60000",
+        "1000",
+        "2000",
         "1000000.0",
         "1000000.0",
         "1",
         &WANT.to_string(),
-        "2000",
+        "",
+        "0.0",
     ]);
     let out =
         tollgate_e2e::process::output_with_timeout(cmd, Duration::from_secs(seconds * 6 + 30))

@@ -56,6 +56,12 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_DEDUP_TTL", default_value = "60s", value_parser = parse_duration)]
     pub dedup_ttl: Duration,
 
+    /// Length of one assignment: when a bucket cannot give an instance what its demand asks
+    /// for, the instance gets a share of the bucket's rate for this long (shorter than
+    /// --dedup-ttl).
+    #[arg(long, env = "TOLLGATE_ASSIGNMENT_PERIOD", default_value = "1s", value_parser = parse_duration)]
+    pub assignment_period: Duration,
+
     /// Deadline of one store call; a call that misses it answers UNAVAILABLE.
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "50ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
@@ -108,6 +114,7 @@ impl Cli {
             policies: self.policies.clone().unwrap_or_default(),
             lease_ttl: self.lease_ttl,
             dedup_ttl: self.dedup_ttl,
+            assignment_period: self.assignment_period,
             store_timeout: self.store_timeout,
             policy_poll: self.policy_poll,
         }
@@ -139,6 +146,7 @@ mod tests {
         assert_eq!(c.store, StoreConfig::Memory);
         assert_eq!(c.lease_ttl, Duration::from_secs(2));
         assert_eq!(c.dedup_ttl, Duration::from_secs(60));
+        assert_eq!(c.assignment_period, Duration::from_secs(1));
         assert_eq!(c.store_timeout, Duration::from_millis(50));
 
         let cli = Cli::try_parse_from([
@@ -149,6 +157,8 @@ mod tests {
             "redis://a:1,redis://b:2",
             "--store-timeout",
             "25ms",
+            "--assignment-period",
+            "250ms",
         ])
         .unwrap();
         assert_eq!(
@@ -156,6 +166,10 @@ mod tests {
             StoreConfig::Cluster(vec!["redis://a:1".into(), "redis://b:2".into()])
         );
         assert_eq!(cli.store_timeout, Duration::from_millis(25));
+        assert_eq!(
+            cli.server_config().assignment_period,
+            Duration::from_millis(250)
+        );
 
         let cli = Cli::try_parse_from([
             "tollgate-limiter",
@@ -189,6 +203,14 @@ mod tests {
             "p.json",
             "--lease-ttl",
             "2",
+        ])
+        .is_err());
+        assert!(Cli::try_parse_from([
+            "tollgate-limiter",
+            "--policies",
+            "p.json",
+            "--assignment-period",
+            "soon",
         ])
         .is_err());
         assert!(Cli::try_parse_from(["tollgate-limiter"]).is_err());

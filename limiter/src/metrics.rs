@@ -17,7 +17,13 @@ pub const UNKNOWN_POLICY: &str = "(unknown)";
 /// Outcome label values of decisions (API error codes verbatim, so they read the same in the
 /// API, logs and metrics).
 pub mod outcome {
+    /// Tokens were granted (possibly with a share besides).
     pub const GRANTED: &str = "GRANTED";
+    /// No tokens now, but a share of the bucket's rate.
+    pub const ASSIGNED: &str = "ASSIGNED";
+    /// An assignment was asked for (a named holder the bucket could not give `want`) and the
+    /// share is 0: the rate is held by others; the holder's demand is recorded.
+    pub const WAITING: &str = "WAITING";
     pub const OVER_LIMIT: &str = "OVER_LIMIT";
     pub const REPLAYED: &str = "REPLAYED";
     pub const RETURNED: &str = "RETURNED";
@@ -32,6 +38,8 @@ pub struct Metrics {
     returns: IntCounterVec,
     tokens_granted: IntCounterVec,
     tokens_returned: IntCounterVec,
+    assignments: IntCounterVec,
+    tokens_assigned: IntCounterVec,
     store_latency: HistogramVec,
     store_errors: IntCounterVec,
     active_keys: IntGaugeVec,
@@ -69,7 +77,7 @@ impl Metrics {
         let decisions = counter(
             &registry,
             "tollgate_limiter_decisions_total",
-            "Lease decisions by policy and outcome (GRANTED, OVER_LIMIT, REPLAYED, UNAVAILABLE, INVALID_POLICY, INVALID_REQUEST).",
+            "Lease decisions by policy and outcome (GRANTED, ASSIGNED, OVER_LIMIT, REPLAYED, UNAVAILABLE, INVALID_POLICY, INVALID_REQUEST).",
             &["policy", "outcome"],
        )?;
         let returns = counter(
@@ -88,6 +96,18 @@ impl Metrics {
             &registry,
             "tollgate_limiter_tokens_returned_total",
             "Unused lease tokens given back to global buckets.",
+            &["policy"],
+        )?;
+        let assignments = counter(
+            &registry,
+            "tollgate_limiter_assignments_total",
+            "Answers to named holders the bucket could not give what they wanted, by policy and outcome (ASSIGNED: a share of the rate; WAITING: share 0, demand recorded). Replays not counted.",
+            &["policy", "outcome"],
+        )?;
+        let tokens_assigned = counter(
+            &registry,
+            "tollgate_limiter_tokens_assigned_total",
+            "Whole tokens taken from global buckets into assignments (share x period; replays not counted).",
             &["policy"],
         )?;
         let store_latency = {
@@ -138,6 +158,8 @@ impl Metrics {
             returns,
             tokens_granted,
             tokens_returned,
+            assignments,
+            tokens_assigned,
             store_latency,
             store_errors,
             active_keys,
@@ -163,6 +185,16 @@ impl Metrics {
 
     pub fn tokens_returned(&self, policy: &str, tokens: u64) {
         self.tokens_returned
+            .with_label_values(&[policy])
+            .inc_by(tokens);
+    }
+
+    pub fn assignment(&self, policy: &str, outcome: &str) {
+        self.assignments.with_label_values(&[policy, outcome]).inc();
+    }
+
+    pub fn tokens_assigned(&self, policy: &str, tokens: u64) {
+        self.tokens_assigned
             .with_label_values(&[policy])
             .inc_by(tokens);
     }
@@ -223,6 +255,9 @@ mod tests {
         m.returned("p", outcome::RETURNED);
         m.tokens_granted("p", 5);
         m.tokens_returned("p", 2);
+        m.assignment("p", outcome::ASSIGNED);
+        m.assignment("p", outcome::WAITING);
+        m.tokens_assigned("p", 50);
         m.store_call("127.0.0.1:6379", "lease", Duration::from_micros(300));
         m.store_error("127.0.0.1:6379", "timeout");
         m.set_active_keys(&[("127.0.0.1:6379".into(), 7)]);
@@ -236,6 +271,9 @@ mod tests {
             "tollgate_limiter_returns_total{outcome=\"RETURNED\",policy=\"p\"} 1",
             "tollgate_limiter_tokens_granted_total{policy=\"p\"} 5",
             "tollgate_limiter_tokens_returned_total{policy=\"p\"} 2",
+            "tollgate_limiter_assignments_total{outcome=\"ASSIGNED\",policy=\"p\"} 1",
+            "tollgate_limiter_assignments_total{outcome=\"WAITING\",policy=\"p\"} 1",
+            "tollgate_limiter_tokens_assigned_total{policy=\"p\"} 50",
             "tollgate_limiter_store_call_duration_seconds_bucket{node=\"127.0.0.1:6379\",op=\"lease\",le=\"0.0005\"} 1",
             "tollgate_limiter_store_errors_total{kind=\"timeout\",node=\"127.0.0.1:6379\"} 1",
             "tollgate_limiter_active_keys{node=\"127.0.0.1:6379\"} 7",

@@ -48,6 +48,9 @@ pub struct ServerConfig {
     pub lease_ttl: Duration,
     /// How long a lease id is remembered (must exceed `lease_ttl`).
     pub dedup_ttl: Duration,
+    /// Length of one assignment (a share of a bucket's rate; `> 0`, shorter than
+    /// `dedup_ttl`).
+    pub assignment_period: Duration,
     /// Deadline of one store call.
     pub store_timeout: Duration,
     /// How often the policy file is checked for changes.
@@ -56,7 +59,8 @@ pub struct ServerConfig {
 
 impl ServerConfig {
     /// Defaults for everything but the policy file: loopback port 8081, memory store, 2 s
-    /// leases remembered 60 s, 50 ms store timeout, policy file polled every second.
+    /// leases remembered 60 s, 1 s assignments, 50 ms store timeout, policy file polled every
+    /// second.
     pub fn new(policies: impl Into<PathBuf>) -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
@@ -64,6 +68,7 @@ impl ServerConfig {
             policies: policies.into(),
             lease_ttl: Duration::from_secs(2),
             dedup_ttl: Duration::from_secs(60),
+            assignment_period: Duration::from_secs(1),
             store_timeout: Duration::from_millis(50),
             policy_poll: Duration::from_secs(1),
         }
@@ -80,6 +85,18 @@ impl ServerConfig {
                 "--dedup-ttl ({:?}) must be longer than --lease-ttl ({:?}): a lease id must be \
                  remembered at least as long as its lease can be spent",
                 self.dedup_ttl, self.lease_ttl
+            )));
+        }
+        if self.assignment_period.is_zero() {
+            return Err(StartError::Config(
+                "--assignment-period must be longer than 0".into(),
+            ));
+        }
+        if self.assignment_period >= self.dedup_ttl {
+            return Err(StartError::Config(format!(
+                "--assignment-period ({:?}) must be shorter than --dedup-ttl ({:?}): an \
+                 assignment's lease id must be remembered while it runs",
+                self.assignment_period, self.dedup_ttl
             )));
         }
         if self.store_timeout.is_zero() {
@@ -103,8 +120,11 @@ impl ServerConfig {
     }
 
     fn store_settings(&self) -> StoreSettings {
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         StoreSettings {
-            dedup_ttl_ms: u64::try_from(self.dedup_ttl.as_millis()).unwrap_or(u64::MAX),
+            dedup_ttl_ms: ms(self.dedup_ttl),
+            assignment_period_ms: ms(self.assignment_period),
+            lease_ttl_ms: ms(self.lease_ttl),
         }
     }
 }
@@ -274,4 +294,25 @@ pub async fn serve_with_store<S: Store>(
         server: Some(server),
         tasks,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_assignment_period_is_positive_and_shorter_than_the_dedup_ttl() {
+        let mut c = ServerConfig::new("p.json");
+        assert!(c.check().is_ok());
+        assert_eq!(c.store_settings().assignment_period_ms, 1_000);
+        assert_eq!(c.store_settings().lease_ttl_ms, 2_000);
+        c.assignment_period = Duration::ZERO;
+        let e = c.check().unwrap_err().to_string();
+        assert!(e.contains("--assignment-period"), "{e}");
+        c.assignment_period = c.dedup_ttl;
+        let e = c.check().unwrap_err().to_string();
+        assert!(e.contains("shorter than --dedup-ttl"), "{e}");
+        c.assignment_period = c.dedup_ttl - Duration::from_millis(1);
+        assert!(c.check().is_ok());
+    }
 }

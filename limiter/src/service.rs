@@ -2,12 +2,15 @@
 //! units (single leases and all-or-nothing groups), run the units against the store
 //! concurrently with a deadline each, and assemble one answer per item.
 //!
-//! The rules it enforces (issue 3 / DESIGN.md):
+//! The rules it enforces:
 //! * a malformed batch (bad JSON, unknown fields, negative or fractional amounts, more than
 //!   `MAX_BATCH` items) is refused whole with 400 and a reason;
 //! * per item: an unknown or non-global policy is `INVALID_POLICY`; a bad key, a bad id, a
-//!   duplicate id, `min == 0` or `min > burst` is `INVALID_REQUEST`; `want` is clamped to
-//!   `[min, burst]`;
+//!   duplicate id, `min == 0`, `min > burst`, a bad `holder` or a bad `demand_per_s` is
+//!   `INVALID_REQUEST`; `want` is clamped to `[min, burst]`;
+//! * an answer carries the store's assignment as `share_per_s` and `period_ms`; its
+//!   `expires_ms` is the lease TTL, plus the period when there is a share (tokens that
+//!   accrue late in the period stay spendable a little);
 //! * a group is decided in one store call, so its keys must share a hash tag; one invalid
 //!   member makes the whole group invalid (it cannot be decided all-or-nothing any more);
 //! * a unit the store could not decide in time answers `UNAVAILABLE` for its items; when every
@@ -21,6 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::join_all;
 use serde::Serialize;
+use tollgate_core::assign::{Allotment, MAX_HOLDER_BYTES};
 use tollgate_core::key;
 use tollgate_core::policy::{Policies, Scope};
 use tollgate_core::protocol::{
@@ -31,12 +35,15 @@ use tollgate_core::protocol::{
 
 use crate::metrics::{outcome, Metrics, UNKNOWN_POLICY};
 use crate::policies::PolicyHandle;
-use crate::store::{LeaseItem, LeaseOutcome, ReturnItem, Store, StoreError};
+use crate::store::{Grant, LeaseItem, LeaseOutcome, ReturnItem, Store, StoreError};
+
+/// Largest `demand_per_s` a holder may report.
+pub const MAX_DEMAND_PER_S: f64 = 1e9;
 
 /// Settings of the request logic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServiceSettings {
-    /// `expires_ms` of every granted lease.
+    /// `expires_ms` of every granted lease (plus the period of an assignment).
     pub lease_ttl: Duration,
     /// Deadline of one store call (one unit).
     pub store_timeout: Duration,
@@ -261,29 +268,17 @@ impl<S: Store> Service<S> {
                             continue;
                         };
                         let label = Self::policy_label(&policies, &request.policy);
-                        let result = if grant.replayed {
-                            outcome::REPLAYED
-                        } else if grant.granted > 0 {
-                            self.metrics.tokens_granted(label, grant.granted);
-                            outcome::GRANTED
-                        } else {
-                            outcome::OVER_LIMIT
-                        };
-                        self.metrics.decision(label, result);
-                        let expires_ms = if grant.granted > 0 {
-                            u64::try_from(self.settings.lease_ttl.as_millis()).unwrap_or(u64::MAX)
-                        } else {
-                            0
-                        };
+                        let item = items.get(i).and_then(|r| r.as_ref().ok());
+                        self.count(label, item, &grant);
                         if let Some(slot) = answers.get_mut(i) {
                             *slot = Some(Ok(LeaseGranted {
                                 id: request.id.clone(),
                                 granted: grant.granted,
                                 remaining: grant.remaining,
                                 retry_after_ms: grant.retry_after_ms,
-                                expires_ms,
-                                share_per_s: 0.0,
-                                period_ms: 0,
+                                expires_ms: self.expires_ms(&grant),
+                                share_per_s: grant.share_per_ms * 1_000.0,
+                                period_ms: grant.period_ms,
                             }));
                         }
                     }
@@ -343,6 +338,55 @@ impl<S: Store> Service<S> {
                 policy_version: policies.version.clone(),
             },
         )
+    }
+
+    /// Decision metrics of one store answer.
+    fn count(&self, label: &str, item: Option<&LeaseItem>, grant: &Grant) {
+        if grant.replayed {
+            self.metrics.decision(label, outcome::REPLAYED);
+            return;
+        }
+        let share = grant.share_per_ms > 0.0;
+        let result = if grant.granted > 0 {
+            self.metrics.tokens_granted(label, grant.granted);
+            outcome::GRANTED
+        } else if share {
+            outcome::ASSIGNED
+        } else {
+            outcome::OVER_LIMIT
+        };
+        self.metrics.decision(label, result);
+        // The assignment regime: a named holder the bucket could not give its `want`.
+        if item.is_some_and(|item| item.holder.is_some() && grant.granted < item.want) {
+            if share {
+                self.metrics.assignment(label, outcome::ASSIGNED);
+                // What the share took from the bucket, in whole tokens (core's own rounding).
+                let drip = Allotment {
+                    granted: 0,
+                    remaining: grant.remaining,
+                    retry_after_ms: 0,
+                    share_per_ms: grant.share_per_ms,
+                    period_ms: grant.period_ms,
+                }
+                .taken();
+                self.metrics.tokens_assigned(label, drip);
+            } else {
+                self.metrics.assignment(label, outcome::WAITING);
+            }
+        }
+    }
+
+    /// `expires_ms` of an answer: the lease TTL when something may be spent, plus the period
+    /// when there is a share (its drip accrues until the period ends).
+    fn expires_ms(&self, grant: &Grant) -> u64 {
+        let ttl = u64::try_from(self.settings.lease_ttl.as_millis()).unwrap_or(u64::MAX);
+        if grant.share_per_ms > 0.0 {
+            ttl.saturating_add(grant.period_ms)
+        } else if grant.granted > 0 {
+            ttl
+        } else {
+            0
+        }
     }
 
     /// `POST /v1/leases/return`.
@@ -554,6 +598,21 @@ fn validate_lease(policies: &Policies, r: &LeaseRequest) -> Result<LeaseItem, It
             r.min, policy.burst, policy.name
         )));
     }
+    if let Some(holder) = &r.holder {
+        validate_holder(holder)?;
+    }
+    let demand_per_s = r.demand_per_s.unwrap_or(0.0);
+    if !demand_per_s.is_finite() || !(0.0..=MAX_DEMAND_PER_S).contains(&demand_per_s) {
+        return Err(ItemError::request(format!(
+            "demand_per_s must be a number from 0 to {MAX_DEMAND_PER_S:e} (units per second)"
+        )));
+    }
+    // `-0` is `0`: one spelling of "no demand" for every store.
+    let demand_per_ms = if demand_per_s == 0.0 {
+        0.0
+    } else {
+        demand_per_s / 1_000.0
+    };
     Ok(LeaseItem {
         id: r.id.clone(),
         policy: policy.name.clone(),
@@ -561,7 +620,26 @@ fn validate_lease(policies: &Policies, r: &LeaseRequest) -> Result<LeaseItem, It
         limits: policy.limits,
         min: r.min,
         want: r.want.clamp(r.min, policy.burst),
+        holder: r.holder.clone(),
+        demand_per_ms,
     })
+}
+
+/// A holder id: 1 to `MAX_HOLDER_BYTES` bytes of `[0-9A-Za-z_-]` (it becomes part of a
+/// Redis hash field name).
+fn validate_holder(holder: &str) -> Result<(), ItemError> {
+    let ok = !holder.is_empty()
+        && holder.len() <= MAX_HOLDER_BYTES
+        && holder
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(ItemError::request(format!(
+            "holder must be 1 to {MAX_HOLDER_BYTES} bytes of [0-9A-Za-z_-]"
+        )))
+    }
 }
 
 fn validate_return(policies: &Policies, r: &LeaseReturn) -> Result<ReturnItem, ItemError> {
@@ -673,6 +751,8 @@ mod tests {
         Service::new(
             Arc::new(MemoryStore::new(StoreSettings {
                 dedup_ttl_ms: 60_000,
+                assignment_period_ms: 1_000,
+                lease_ttl_ms: 2_000,
             })),
             Arc::new(PolicyHandle::new(policies)),
             Metrics::new().unwrap(),
@@ -825,6 +905,98 @@ mod tests {
             "only 1 of the 4 left to return"
         );
         assert_eq!(s.return_batch(b"{}").await.status, 400);
+    }
+
+    #[tokio::test]
+    async fn holders_and_demands_are_validated_per_item() {
+        let s = service();
+        let long = "h".repeat(MAX_HOLDER_BYTES + 1);
+        let body = format!(
+            r#"{{"leases":[
+            {{"id":"ok","policy":"g","key":"t","min":1,"want":1,"holder":"Az09_-","demand_per_s":2.5}},
+            {{"id":"empty","policy":"g","key":"t","min":1,"want":1,"holder":""}},
+            {{"id":"long","policy":"g","key":"t","min":1,"want":1,"holder":"{long}"}},
+            {{"id":"colon","policy":"g","key":"t","min":1,"want":1,"holder":"a:b"}},
+            {{"id":"pipe","policy":"g","key":"t","min":1,"want":1,"holder":"a|b"}},
+            {{"id":"neg","policy":"g","key":"t","min":1,"want":1,"holder":"a","demand_per_s":-1}},
+            {{"id":"huge","policy":"g","key":"t","min":1,"want":1,"holder":"a","demand_per_s":1e10}},
+            {{"id":"max","policy":"g","key":"t","min":1,"want":1,"holder":"{max}","demand_per_s":1e9}},
+            {{"id":"nodemand","policy":"g","key":"t","min":1,"want":1,"demand_per_s":-0.0}}
+        ]}}"#,
+            max = "h".repeat(MAX_HOLDER_BYTES)
+        );
+        let r = s.lease_batch(body.as_bytes()).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = parse(&r);
+        let l = v["leases"].as_array().unwrap();
+        assert_eq!(l[0]["granted"], 1, "{}", l[0]);
+        for item in &l[1..5] {
+            assert_eq!(item["error"], "INVALID_REQUEST", "{item}");
+            assert!(
+                item["reason"].as_str().unwrap().contains("holder"),
+                "{item}"
+            );
+        }
+        for item in &l[5..7] {
+            assert_eq!(item["error"], "INVALID_REQUEST", "{item}");
+            assert!(
+                item["reason"].as_str().unwrap().contains("demand_per_s"),
+                "{item}"
+            );
+        }
+        assert_eq!(l[7]["granted"], 1, "{}", l[7]);
+        assert_eq!(l[8]["granted"], 1, "{}", l[8]);
+    }
+
+    #[tokio::test]
+    async fn an_assignment_is_answered_with_its_share_and_a_longer_expiry() {
+        let s = service();
+        let drain = r#"{"leases":[{"id":"d","policy":"g","key":"t","min":10,"want":10}]}"#;
+        assert_eq!(
+            parse(&s.lease_batch(drain.as_bytes()).await)["leases"][0]["granted"],
+            10
+        );
+        // Holder-less: a plain denial, no assignment fields.
+        let plain = r#"{"leases":[{"id":"p","policy":"g","key":"t","min":1,"want":5}]}"#;
+        let v = parse(&s.lease_batch(plain.as_bytes()).await);
+        let p = &v["leases"][0];
+        assert_eq!(p["granted"], 0);
+        assert_eq!(p["expires_ms"], 0);
+        assert!(
+            p.get("share_per_s").is_none() && p.get("period_ms").is_none(),
+            "{p}"
+        );
+        // Named, demand 10/s against a rate of 1/h: the whole rate, for the 1 s period.
+        let named = r#"{"leases":[{"id":"a","policy":"g","key":"t","min":1,"want":5,
+            "holder":"i-1","demand_per_s":10}]}"#;
+        let first = parse(&s.lease_batch(named.as_bytes()).await);
+        let a = &first["leases"][0];
+        assert_eq!(a["granted"], 0, "{a}");
+        let share = a["share_per_s"].as_f64().unwrap();
+        assert!((share - 1.0 / 3_600.0).abs() < 1e-12, "{a}");
+        assert_eq!(a["period_ms"], 1_000);
+        assert_eq!(a["expires_ms"], 3_000);
+        assert_eq!(a["retry_after_ms"], 0);
+        // A second holder waits: the rate is held.
+        let other = r#"{"leases":[{"id":"b","policy":"g","key":"t","min":1,"want":5,
+            "holder":"i-2","demand_per_s":10}]}"#;
+        let v = parse(&s.lease_batch(other.as_bytes()).await);
+        let b = &v["leases"][0];
+        assert!(b.get("share_per_s").is_none(), "{b}");
+        assert!(b["retry_after_ms"].as_u64().unwrap() <= 1_000, "{b}");
+        // The replay answers the same assignment.
+        let again = parse(&s.lease_batch(named.as_bytes()).await);
+        assert_eq!(again["leases"][0], *a);
+        let metrics = s.metrics().render();
+        for needle in [
+            r#"tollgate_limiter_decisions_total{outcome="ASSIGNED",policy="g"} 1"#,
+            r#"tollgate_limiter_assignments_total{outcome="ASSIGNED",policy="g"} 1"#,
+            r#"tollgate_limiter_assignments_total{outcome="WAITING",policy="g"} 1"#,
+            r#"tollgate_limiter_decisions_total{outcome="OVER_LIMIT",policy="g"} 2"#,
+            r#"tollgate_limiter_decisions_total{outcome="REPLAYED",policy="g"} 1"#,
+        ] {
+            assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+        }
     }
 
     #[test]

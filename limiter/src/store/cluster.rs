@@ -211,7 +211,7 @@ impl RedisClusterStore {
         .and_then(Value::extract_error)
     }
 
-    /// Loads (or replaces) the `tollgate_v1` library on every primary.
+    /// Loads (or replaces) the `tollgate_v2` library on every primary.
     pub async fn load_library(&self) -> Result<(), StoreError> {
         self.on_every_primary(script::load_cmd())
             .await

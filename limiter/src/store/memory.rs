@@ -1,10 +1,10 @@
 //! The embedded store: every bucket in this process, for a single limiter instance without
 //! Redis (development, tests, a one-replica deployment).
 //!
-//! Same semantics as the Redis Function, running tollgate-core's bucket math directly: one
-//! mutex makes each unit atomic, lease records dedup ids, and state expires like Redis keys
-//! (a bucket `bucket_ttl_ms` after its last write, a lease record `dedup_ttl_ms` after it was
-//! created). Expired entries are ignored when read and removed by a bounded sweep on every
+//! Same semantics as the Redis Function, running tollgate-core's `assign` math directly: one
+//! mutex makes each unit atomic, each bucket keeps its state and its holdings together, lease
+//! records dedup ids, and state expires like Redis keys (a bucket `bucket_ttl_ms` after its
+//! last write, a lease record `dedup_ttl_ms` after it was created). Expired entries are ignored when read and removed by a bounded sweep on every
 //! call (an expiry heap with one live entry per key), so memory follows the active keys and no
 //! call does unbounded work.
 
@@ -12,7 +12,8 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tollgate_core::bucket::{self, BucketState, LeaseGrant};
+use tollgate_core::assign::{self, Allotment, Holding};
+use tollgate_core::bucket::{BucketState, Limits};
 
 use super::{
     bucket_ttl_ms, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError,
@@ -38,13 +39,50 @@ impl std::fmt::Debug for MemoryStore {
     }
 }
 
+/// What is kept of a decided lease id: its answer (replayed as it was), and how much of what
+/// it took may still come back.
 #[derive(Debug, Clone, PartialEq)]
 struct LeaseRecord {
     granted: u64,
+    /// Everything the answer took from the bucket (`Allotment::taken`): returns stop there.
+    taken: u64,
     returned: u64,
     remaining: f64,
     retry_after_ms: u64,
+    share_per_ms: f64,
+    period_ms: u64,
     bucket: String,
+}
+
+impl LeaseRecord {
+    fn replay(&self) -> Grant {
+        Grant {
+            granted: self.granted,
+            remaining: self.remaining,
+            retry_after_ms: self.retry_after_ms,
+            replayed: true,
+            share_per_ms: self.share_per_ms,
+            period_ms: self.period_ms,
+        }
+    }
+}
+
+/// One bucket as stored: its state and the holdings of the instances it knows.
+#[derive(Debug, Clone, PartialEq)]
+struct Bucket {
+    state: BucketState,
+    holdings: Vec<Holding>,
+}
+
+/// A bucket as the memory store sees it now (tests compare it with Redis' hash and PTTL).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketView {
+    /// The stored state (as of its last write, not refilled).
+    pub state: BucketState,
+    /// Live holdings, in stored order.
+    pub holdings: Vec<Holding>,
+    /// Milliseconds until the state expires; `None` for never.
+    pub ttl_ms: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -65,7 +103,7 @@ enum Kind {
 
 #[derive(Debug, Default)]
 struct Inner {
-    buckets: HashMap<String, Entry<BucketState>>,
+    buckets: HashMap<String, Entry<Bucket>>,
     leases: HashMap<String, Entry<LeaseRecord>>,
     expiries: BinaryHeap<Reverse<(u64, Kind, String)>>,
 }
@@ -79,11 +117,21 @@ fn expiry(now: u64, ttl_ms: u64) -> u64 {
 }
 
 impl Inner {
-    fn bucket(&self, key: &str, now: u64) -> Option<BucketState> {
+    /// The stored bucket if it has not expired, with its live holdings only.
+    fn bucket(&self, key: &str, now: u64) -> Option<Bucket> {
         self.buckets
             .get(key)
             .filter(|e| e.expires_at >= now)
-            .map(|e| e.value)
+            .map(|e| Bucket {
+                state: e.value.state,
+                holdings: e
+                    .value
+                    .holdings
+                    .iter()
+                    .filter(|h| h.ends_ms > now)
+                    .cloned()
+                    .collect(),
+            })
     }
 
     fn lease(&self, key: &str, now: u64) -> Option<&LeaseRecord> {
@@ -93,7 +141,7 @@ impl Inner {
             .map(|e| &e.value)
     }
 
-    fn put_bucket(&mut self, key: &str, value: BucketState, expires_at: u64) {
+    fn put_bucket(&mut self, key: &str, value: Bucket, expires_at: u64) {
         let push = put(&mut self.buckets, key, value, expires_at);
         if push {
             self.expiries
@@ -181,11 +229,12 @@ fn sweep_one<T>(map: &mut HashMap<String, Entry<T>>, key: &str, at: u64, now: u6
 /// A bucket touched by the fresh items of one unit.
 struct Touched {
     key: String,
-    /// Refilled state before any item took from it.
-    start: BucketState,
-    /// State after the items decided so far.
-    state: BucketState,
-    ttl_ms: u64,
+    /// The bucket's policy limits (one policy per bucket key).
+    limits: Limits,
+    /// Refilled state and live holdings before any item took from it.
+    start: Bucket,
+    /// State and holdings after the items decided so far.
+    now: Bucket,
 }
 
 impl MemoryStore {
@@ -218,24 +267,33 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    /// The decision the Redis Function `tollgate_v1_lease` makes, line by line.
+    /// The bucket `bucket_key` as of the store's clock.
+    pub fn bucket_view(&self, bucket_key: &str) -> Option<BucketView> {
+        let now = self.clock.now_ms();
+        let inner = self.lock();
+        let stored = inner.bucket(bucket_key, now)?;
+        let expires_at = inner.buckets.get(bucket_key).map(|e| e.expires_at)?;
+        Some(BucketView {
+            state: stored.state,
+            holdings: stored.holdings,
+            ttl_ms: (expires_at != u64::MAX).then(|| expires_at - now),
+        })
+    }
+
+    /// The decision the Redis Function `tollgate_v2_lease` makes, line by line.
     pub fn lease_at(&self, items: &[LeaseItem], now: u64) -> Result<LeaseOutcome, StoreError> {
         let mut inner = self.lock();
         inner.sweep(now);
+        let terms = self.settings.terms();
 
         let mut grants: Vec<Option<Grant>> = vec![None; items.len()];
         let mut touched: Vec<Touched> = Vec::new();
-        // (item index, its decision, index into `touched`)
-        let mut decided: Vec<(usize, LeaseGrant, usize)> = Vec::new();
+        // (item index, its allotment, index into `touched`)
+        let mut decided: Vec<(usize, Allotment, usize)> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             if let Some(record) = inner.lease(&item.lease_key(), now) {
                 if let Some(slot) = grants.get_mut(i) {
-                    *slot = Some(Grant {
-                        granted: record.granted,
-                        remaining: record.remaining,
-                        retry_after_ms: record.retry_after_ms,
-                        replayed: true,
-                    });
+                    *slot = Some(record.replay());
                 }
                 continue;
             }
@@ -243,15 +301,20 @@ impl MemoryStore {
             let at = match touched.iter().position(|t| t.key == bucket_key) {
                 Some(at) => at,
                 None => {
-                    let start = match inner.bucket(&bucket_key, now) {
-                        Some(stored) => stored.refilled(&item.limits, now),
-                        None => BucketState::full(&item.limits, now),
+                    let stored = inner.bucket(&bucket_key, now);
+                    let holdings = stored
+                        .as_ref()
+                        .map(|b| b.holdings.clone())
+                        .unwrap_or_default();
+                    let start = Bucket {
+                        state: assign::current(&item.limits, stored.map(|b| b.state), now),
+                        holdings,
                     };
                     touched.push(Touched {
                         key: bucket_key,
+                        limits: item.limits,
+                        now: start.clone(),
                         start,
-                        state: start,
-                        ttl_ms: bucket_ttl_ms(&item.limits),
                     });
                     touched.len() - 1
                 }
@@ -259,49 +322,63 @@ impl MemoryStore {
             let Some(t) = touched.get_mut(at) else {
                 continue;
             };
-            let (next, grant) =
-                bucket::lease(&item.limits, Some(t.state), now, item.min, item.want);
-            t.state = next;
-            decided.push((i, grant, at));
+            let (next, allotment) = assign::allot(
+                &item.limits,
+                Some(t.now.state),
+                &mut t.now.holdings,
+                now,
+                item.ask(),
+                terms,
+            );
+            t.now.state = next;
+            decided.push((i, allotment, at));
         }
 
-        let all = decided.iter().all(|(_, g, _)| g.granted > 0);
+        // One item that gets nothing fails the unit: no bucket and no holding changes.
+        let all = decided.iter().all(|(_, a, _)| !a.is_empty());
         for t in &touched {
-            let state = if all { t.state } else { t.start };
-            inner.put_bucket(&t.key, state, expiry(now, t.ttl_ms));
+            let bucket = if all { &t.now } else { &t.start };
+            let ttl = bucket_ttl_ms(&t.limits, &bucket.state, &bucket.holdings, now);
+            inner.put_bucket(&t.key, bucket.clone(), expiry(now, ttl));
         }
         let record_expiry = expiry(now, self.settings.dedup_ttl_ms);
-        for (i, grant, at) in decided {
+        for (i, allotment, at) in decided {
             let Some(t) = touched.get(at) else {
                 continue;
-            };
-            let (granted, remaining) = if all {
-                (grant.granted, grant.remaining)
-            } else {
-                (0, t.start.tokens)
             };
             let Some(item) = items.get(i) else {
                 continue;
             };
-            inner.put_lease(
-                &item.lease_key(),
+            let record = if all {
                 LeaseRecord {
-                    granted,
+                    granted: allotment.granted,
+                    taken: allotment.taken(),
                     returned: 0,
-                    remaining,
-                    retry_after_ms: grant.retry_after_ms,
+                    remaining: allotment.remaining,
+                    retry_after_ms: allotment.retry_after_ms,
+                    share_per_ms: allotment.share_per_ms,
+                    period_ms: allotment.period_ms,
                     bucket: t.key.clone(),
-                },
-                record_expiry,
-            );
+                }
+            } else {
+                LeaseRecord {
+                    granted: 0,
+                    taken: 0,
+                    returned: 0,
+                    remaining: t.start.state.tokens,
+                    retry_after_ms: allotment.retry_after_ms,
+                    share_per_ms: 0.0,
+                    period_ms: 0,
+                    bucket: t.key.clone(),
+                }
+            };
             if let Some(slot) = grants.get_mut(i) {
                 *slot = Some(Grant {
-                    granted,
-                    remaining,
-                    retry_after_ms: grant.retry_after_ms,
                     replayed: false,
+                    ..record.replay()
                 });
             }
+            inner.put_lease(&item.lease_key(), record, record_expiry);
         }
         // Every item was either replayed or decided; anything else is a bug, reported as an
         // error rather than turned into a denial.
@@ -315,7 +392,7 @@ impl MemoryStore {
         })
     }
 
-    /// The decision the Redis Function `tollgate_v1_return` makes, line by line.
+    /// The decision the Redis Function `tollgate_v2_return` makes, line by line.
     pub fn give_back_at(&self, item: &ReturnItem, now: u64) -> ReturnOutcome {
         let mut inner = self.lock();
         inner.sweep(now);
@@ -333,14 +410,20 @@ impl MemoryStore {
         }
         let amount = item
             .unused
-            .min(record.granted.saturating_sub(record.returned));
+            .min(record.taken.saturating_sub(record.returned));
         if amount == 0 {
             return nothing;
         }
         let returned = record.returned.saturating_add(amount);
-        let state = inner.bucket(&bucket_key, now);
-        let next = bucket::give_back(&item.limits, state, now, amount);
-        inner.put_bucket(&bucket_key, next, expiry(now, bucket_ttl_ms(&item.limits)));
+        let stored = inner.bucket(&bucket_key, now);
+        let holdings = stored
+            .as_ref()
+            .map(|b| b.holdings.clone())
+            .unwrap_or_default();
+        // Into a bucket that may be in debt: no clamp at zero, or tokens would come from debt.
+        let state = assign::give_back(&item.limits, stored.map(|b| b.state), now, amount);
+        let ttl = bucket_ttl_ms(&item.limits, &state, &holdings, now);
+        inner.put_bucket(&bucket_key, Bucket { state, holdings }, expiry(now, ttl));
         if let Some(entry) = inner.leases.get_mut(&lease_key) {
             entry.value.returned = returned;
         }
@@ -386,7 +469,6 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
-    use tollgate_core::bucket::Limits;
 
     fn item(id: &str, key: &str, limits: Limits, min: u64, want: u64) -> LeaseItem {
         LeaseItem {
@@ -396,6 +478,8 @@ mod tests {
             limits,
             min,
             want,
+            holder: None,
+            demand_per_ms: 0.0,
         }
     }
 
@@ -404,6 +488,8 @@ mod tests {
         let store = MemoryStore::with_clock(
             StoreSettings {
                 dedup_ttl_ms: 60_000,
+                assignment_period_ms: 1_000,
+                lease_ttl_ms: 2_000,
             },
             Arc::new(clock.clone()),
         );
@@ -454,6 +540,92 @@ mod tests {
         }
         // 1 bucket + 50 records, one heap entry each.
         assert_eq!(store.lock().expiries.len(), 51);
+    }
+
+    fn named(id: &str, key: &str, limits: Limits, holder: &str, demand_per_ms: f64) -> LeaseItem {
+        LeaseItem {
+            holder: Some(holder.into()),
+            demand_per_ms,
+            ..item(id, key, limits, 1, 5)
+        }
+    }
+
+    fn give(id: &str, key: &str, limits: Limits, unused: u64) -> ReturnItem {
+        ReturnItem {
+            id: id.into(),
+            policy: "p".into(),
+            key: key.into(),
+            limits,
+            unused,
+        }
+    }
+
+    #[test]
+    fn debt_is_kept_until_refilled_and_returns_add_to_it() {
+        let (store, clock) = store();
+        // 3/s, burst 5: a full refill is 1667 ms.
+        let l = Limits::new(3, 1_000, 5).unwrap();
+        let now = clock.now_ms();
+        assert_eq!(
+            store
+                .lease_at(&[item("d", "t", l, 5, 5)], now)
+                .unwrap()
+                .grants[0]
+                .granted,
+            5
+        );
+        let a = store
+            .lease_at(&[named("a", "t", l, "i1", 0.01)], now)
+            .unwrap()
+            .grants[0];
+        // The whole rate (demand 10/s > 3/s) for the 1 s period: 3 tokens of debt.
+        assert_eq!((a.granted, a.share_per_ms, a.period_ms), (0, 0.003, 1_000));
+        assert!((a.remaining + 3.0).abs() < 1e-9, "{a:?}");
+        let key = item("a", "t", l, 1, 1).bucket_key();
+        let view = store.bucket_view(&key).unwrap();
+        assert_eq!(view.holdings.len(), 1);
+        // 8 tokens to refill at 0.003/ms: 2667 ms, plus the 1 s margin.
+        assert_eq!(view.ttl_ms, Some(3_667));
+        // A return into debt adds to it (no clamp at 0 first), bounded by what was taken.
+        assert_eq!(store.give_back_at(&give("a", "t", l, 100), now).returned, 3);
+        let view = store.bucket_view(&key).unwrap();
+        assert!(view.state.tokens.abs() < 1e-9, "{view:?}");
+        assert_eq!(store.give_back_at(&give("a", "t", l, 100), now).returned, 0);
+    }
+
+    #[test]
+    fn a_failed_group_changes_no_bucket_and_no_holding() {
+        let (store, clock) = store();
+        let l = Limits::new(3, 1_000, 5).unwrap();
+        let tiny = Limits::new(1, 3_600_000, 1).unwrap();
+        let now = clock.now_ms();
+        store.lease_at(&[item("d", "t", l, 5, 5)], now).unwrap();
+        store
+            .lease_at(&[named("a", "t", l, "i1", 0.001)], now)
+            .unwrap();
+        store
+            .lease_at(&[item("e", "t:r", tiny, 1, 1)], now)
+            .unwrap();
+        let key = item("a", "t", l, 1, 1).bucket_key();
+        let before = store.bucket_view(&key).unwrap();
+        // i2 alone would get a share; the drained route bucket gives its partner nothing.
+        let o = store
+            .lease_at(
+                &[
+                    named("b", "t", l, "i2", 0.002),
+                    item("f", "t:r", tiny, 1, 1),
+                ],
+                now,
+            )
+            .unwrap();
+        assert!(
+            o.grants
+                .iter()
+                .all(|g| g.granted == 0 && g.share_per_ms == 0.0),
+            "{o:?}"
+        );
+        assert_eq!(o.grants[0].retry_after_ms, 0, "alone it was fine");
+        assert_eq!(store.bucket_view(&key).unwrap(), before);
     }
 
     #[test]

@@ -13,7 +13,8 @@
 use std::future::Future;
 use std::time::Duration;
 
-use tollgate_core::bucket::Limits;
+use tollgate_core::assign::{self, Ask, Holding, Terms};
+use tollgate_core::bucket::{BucketState, Limits};
 use tollgate_core::key;
 
 pub mod cluster;
@@ -32,14 +33,36 @@ pub use single::RedisStore;
 /// idle that long describes a full bucket, so dropping it and recreating it full is exact.
 /// The slack covers clock differences between the writer and the expiring node.
 pub const BUCKET_TTL_MARGIN_MS: u64 = 1_000;
-/// Buckets whose full refill takes longer than this (ten years) never expire: an expiry would
-/// have to be that far out anyway, and some stores cap expiry times.
+/// Buckets whose state would have to be kept longer than this (ten years) never expire: an
+/// expiry would have to be that far out anyway, and some stores cap expiry times.
 pub const MAX_BUCKET_TTL_MS: u64 = 10 * 365 * 24 * 3_600 * 1_000;
 
-/// TTL of a bucket's state after a write, in ms; `0` means "no expiry".
-pub fn bucket_ttl_ms(limits: &Limits) -> u64 {
-    let full = limits.full_refill_ms();
-    let ttl = full.saturating_add(BUCKET_TTL_MARGIN_MS.max(full / 10));
+/// TTL of a bucket's state written at `now_ms` (`state` as written, `holdings` as kept with
+/// it), in ms; `0` means "no expiry". The one rule of every store (the Redis Function mirrors
+/// it line by line):
+///
+/// * the state lives until a full refill from empty, and until a full refill from its own
+///   content, debt included ([`assign::refill_from_ms`]): only then does dropping it and
+///   recreating it full lose nothing;
+/// * and until its latest live holding ends, so the shares of running assignments are never
+///   forgotten while they run;
+/// * plus `max(BUCKET_TTL_MARGIN_MS, 10 %)` of that;
+/// * a TTL beyond [`MAX_BUCKET_TTL_MS`] (glacial policies, or debt of one) is no expiry.
+pub fn bucket_ttl_ms(
+    limits: &Limits,
+    state: &BucketState,
+    holdings: &[Holding],
+    now_ms: u64,
+) -> u64 {
+    let mut need = limits
+        .full_refill_ms()
+        .max(assign::refill_from_ms(limits, state));
+    for h in holdings {
+        if h.ends_ms > now_ms {
+            need = need.max(h.ends_ms - now_ms);
+        }
+    }
+    let ttl = need.saturating_add(BUCKET_TTL_MARGIN_MS.max(need / 10));
     if ttl > MAX_BUCKET_TTL_MS {
         0
     } else {
@@ -52,6 +75,21 @@ pub fn bucket_ttl_ms(limits: &Limits) -> u64 {
 pub struct StoreSettings {
     /// How long a lease id's record (its grant and how much was returned) is kept.
     pub dedup_ttl_ms: u64,
+    /// Length of one assignment (`> 0`, shorter than `dedup_ttl_ms`).
+    pub assignment_period_ms: u64,
+    /// How long a lease's tokens may be spent: a holder that got only a lease stays known to
+    /// the bucket that long (`> 0`).
+    pub lease_ttl_ms: u64,
+}
+
+impl StoreSettings {
+    /// The terms of assignments, as `tollgate_core::assign` takes them.
+    pub fn terms(&self) -> Terms {
+        Terms {
+            period_ms: self.assignment_period_ms,
+            lease_ttl_ms: self.lease_ttl_ms,
+        }
+    }
 }
 
 /// One validated lease request, with its policy's limits resolved.
@@ -66,6 +104,11 @@ pub struct LeaseItem {
     pub min: u64,
     /// `min ≤ want ≤ capacity`.
     pub want: u64,
+    /// The asking instance (1 to `assign::MAX_HOLDER_BYTES` bytes of `[0-9A-Za-z_-]`); only
+    /// a named holder can receive an assignment.
+    pub holder: Option<String>,
+    /// The holder's offered demand for this bucket, units per ms (finite, `≥ 0`).
+    pub demand_per_ms: f64,
 }
 
 impl LeaseItem {
@@ -75,6 +118,16 @@ impl LeaseItem {
 
     pub fn lease_key(&self) -> String {
         key::redis_lease_key(&self.key, &self.id)
+    }
+
+    /// The item as `tollgate_core::assign::allot` takes it.
+    pub fn ask(&self) -> Ask<'_> {
+        Ask {
+            min: self.min,
+            want: self.want,
+            holder: self.holder.as_deref(),
+            demand_per_ms: self.demand_per_ms,
+        }
     }
 }
 
@@ -110,6 +163,10 @@ pub struct Grant {
     pub retry_after_ms: u64,
     /// The lease id had been decided before; this is the original answer, nothing was taken.
     pub replayed: bool,
+    /// Assigned share of the bucket's refill rate, units per ms (`0`: none).
+    pub share_per_ms: f64,
+    /// How long the share may be spent (`0` without a share).
+    pub period_ms: u64,
 }
 
 /// The answer to one unit: one [`Grant`] per item, in order.
@@ -185,17 +242,19 @@ impl StoreError {
 /// Where global buckets live. Every implementation has the same semantics, checked by one
 /// contract suite (`tests/contract.rs`).
 pub trait Store: Send + Sync + 'static {
-    /// Decides one unit atomically: every item of `items` (1 or more, all keys sharing one
-    /// hash tag) is granted at least its `min`, or none takes anything. Items whose lease id
-    /// was decided before answer from their record and take nothing.
+    /// Decides one unit atomically with `tollgate_core::assign::allot`: every item of `items`
+    /// (1 or more, all keys sharing one hash tag) gets something (a grant of at least its
+    /// `min`, or a share), or none takes anything and no bucket's holdings change. Items
+    /// whose lease id was decided before answer from their record and take nothing.
     fn lease(
         &self,
         items: &[LeaseItem],
     ) -> impl Future<Output = Result<LeaseOutcome, StoreError>> + Send;
 
-    /// Gives back `min(unused, granted − returned so far)` of lease `item.id`, never above the
-    /// bucket's capacity. Unknown or expired ids, and ids drawn from another bucket, give back
-    /// nothing.
+    /// Gives back `min(unused, taken − returned so far)` of lease `item.id` (`taken`: its
+    /// grant plus the whole tokens of its assignment, `Allotment::taken`), added to the
+    /// bucket's content even while it is in debt, never above capacity. Unknown or expired
+    /// ids, and ids drawn from another bucket, give back nothing.
     fn give_back(
         &self,
         item: &ReturnItem,
@@ -222,15 +281,51 @@ pub trait Store: Send + Sync + 'static {
 mod tests {
     use super::*;
 
+    fn full(l: &Limits) -> BucketState {
+        BucketState::full(l, 0)
+    }
+
     #[test]
     fn bucket_ttl_exceeds_a_full_refill() {
         let l = Limits::new(100, 1_000, 20).unwrap();
         assert_eq!(l.full_refill_ms(), 200);
-        assert_eq!(bucket_ttl_ms(&l), 1_200);
+        assert_eq!(bucket_ttl_ms(&l, &full(&l), &[], 0), 1_200);
         let slow = Limits::new(1, 3_600_000, 100).unwrap();
-        assert_eq!(bucket_ttl_ms(&slow), 360_000_000 + 36_000_000);
+        assert_eq!(
+            bucket_ttl_ms(&slow, &full(&slow), &[], 0),
+            360_000_000 + 36_000_000
+        );
         let glacial = Limits::new(1, 365 * 24 * 3_600_000, 1_000).unwrap();
-        assert_eq!(bucket_ttl_ms(&glacial), 0);
+        assert_eq!(bucket_ttl_ms(&glacial, &full(&glacial), &[], 0), 0);
+    }
+
+    #[test]
+    fn bucket_ttl_covers_debt_and_holdings() {
+        // 50/s, burst 15: a full refill is 300 ms.
+        let l = Limits::new(50, 1_000, 15).unwrap();
+        let debt = BucketState {
+            tokens: -35.0,
+            updated_ms: 10_000,
+        };
+        // 50 tokens to refill at 0.05/ms: 1 s, plus the 1 s margin.
+        assert_eq!(bucket_ttl_ms(&l, &debt, &[], 10_000), 2_000);
+        let holding = |ends_ms| Holding {
+            holder: "a".into(),
+            share_per_ms: 0.01,
+            ends_ms,
+            demand_per_ms: 0.1,
+        };
+        // A holding ending 30 s out: 30 s plus 10 %.
+        assert_eq!(bucket_ttl_ms(&l, &debt, &[holding(40_000)], 10_000), 33_000);
+        // An ended holding does not count.
+        assert_eq!(bucket_ttl_ms(&l, &debt, &[holding(9_000)], 10_000), 2_000);
+        // Debt of a slow policy beyond ten years: no expiry.
+        let slow = Limits::new(1, 3_600_000, 10).unwrap();
+        let deep = BucketState {
+            tokens: -1e6,
+            updated_ms: 0,
+        };
+        assert_eq!(bucket_ttl_ms(&slow, &deep, &[], 0), 0);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The Rust side of the `tollgate_v1` Redis Function library (`tollgate.lua`): the library
+//! The Rust side of the `tollgate_v2` Redis Function library (`tollgate.lua`): the library
 //! source, how calls are encoded, how replies are decoded, and how Redis errors map onto
 //! [`StoreError`]. Shared by the single-node and the cluster store, so both speak the exact
 //! same contract.
@@ -7,18 +7,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
-use super::{
-    bucket_ttl_ms, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, StoreError,
-    StoreSettings,
-};
+use super::{Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, StoreError, StoreSettings};
 
 /// The library source (`FUNCTION LOAD REPLACE`).
 pub const LIBRARY: &str = include_str!("tollgate.lua");
 /// Library name; carries the contract version.
-pub const LIBRARY_NAME: &str = "tollgate_v1";
-pub const LEASE_FN: &str = "tollgate_v1_lease";
-pub const RETURN_FN: &str = "tollgate_v1_return";
-pub const PING_FN: &str = "tollgate_v1_ping";
+pub const LIBRARY_NAME: &str = "tollgate_v2";
+pub const LEASE_FN: &str = "tollgate_v2_lease";
+pub const RETURN_FN: &str = "tollgate_v2_return";
+pub const PING_FN: &str = "tollgate_v2_ping";
 
 /// `%.17g`-equivalent text of an `f64` that Lua's `tonumber` reads back to the same value
 /// (Rust's shortest round-trip formatting).
@@ -26,25 +23,28 @@ fn float_arg(x: f64) -> String {
     format!("{x:?}")
 }
 
-/// `FCALL tollgate_v1_lease` for one unit.
+/// `FCALL tollgate_v2_lease` for one unit.
 pub fn lease_cmd(items: &[LeaseItem], settings: &StoreSettings) -> Cmd {
     let mut cmd = redis::cmd("FCALL");
     cmd.arg(LEASE_FN).arg(items.len() * 2);
     for item in items {
         cmd.arg(item.bucket_key()).arg(item.lease_key());
     }
-    cmd.arg(settings.dedup_ttl_ms);
+    cmd.arg(settings.dedup_ttl_ms)
+        .arg(settings.assignment_period_ms)
+        .arg(settings.lease_ttl_ms);
     for item in items {
         cmd.arg(float_arg(item.limits.capacity()))
             .arg(float_arg(item.limits.refill_per_ms()))
             .arg(item.min)
             .arg(item.want)
-            .arg(bucket_ttl_ms(&item.limits));
+            .arg(item.holder.as_deref().unwrap_or(""))
+            .arg(float_arg(item.demand_per_ms));
     }
     cmd
 }
 
-/// `FCALL tollgate_v1_return` for one return.
+/// `FCALL tollgate_v2_return` for one return.
 pub fn return_cmd(item: &ReturnItem) -> Cmd {
     let mut cmd = redis::cmd("FCALL");
     cmd.arg(RETURN_FN)
@@ -53,12 +53,11 @@ pub fn return_cmd(item: &ReturnItem) -> Cmd {
         .arg(item.lease_key())
         .arg(float_arg(item.limits.capacity()))
         .arg(float_arg(item.limits.refill_per_ms()))
-        .arg(item.unused)
-        .arg(bucket_ttl_ms(&item.limits));
+        .arg(item.unused);
     cmd
 }
 
-/// `FCALL_RO tollgate_v1_ping 0`.
+/// `FCALL_RO tollgate_v2_ping 0`.
 pub fn ping_cmd() -> Cmd {
     let mut cmd = redis::cmd("FCALL_RO");
     cmd.arg(PING_FN).arg(0);
@@ -112,12 +111,16 @@ fn millis(value: &Value, what: &str) -> Result<u64, StoreError> {
     Ok(f as u64)
 }
 
-/// Decodes `{ now_ms, (granted, remaining, retry_after_ms, replayed) × n }`.
+/// Values per item in a lease reply.
+const REPLY_FIELDS: usize = 6;
+
+/// Decodes `{ now_ms, (granted, remaining, retry_after_ms, replayed, share_per_ms,
+/// period_ms) × n }`.
 pub fn parse_lease_reply(value: &Value, n: usize) -> Result<LeaseOutcome, StoreError> {
     let Value::Array(items) = value else {
         return Err(protocol("lease reply is not an array", value));
     };
-    if items.len() != 1 + 4 * n {
+    if items.len() != 1 + REPLY_FIELDS * n {
         return Err(protocol(
             &format!("lease reply has {} elements for {n} items", items.len()),
             value,
@@ -132,11 +135,18 @@ pub fn parse_lease_reply(value: &Value, n: usize) -> Result<LeaseOutcome, StoreE
         let remaining = float(iter.next().unwrap_or(&nil), "lease reply: remaining")?;
         let retry_after_ms = millis(iter.next().unwrap_or(&nil), "lease reply: retry_after_ms")?;
         let replayed = int(iter.next().unwrap_or(&nil), "lease reply: replayed")? == 1;
+        let share_per_ms = float(iter.next().unwrap_or(&nil), "lease reply: share_per_ms")?;
+        let period_ms = int(iter.next().unwrap_or(&nil), "lease reply: period_ms")?;
+        if !share_per_ms.is_finite() || share_per_ms < 0.0 {
+            return Err(protocol("lease reply: share_per_ms", value));
+        }
         grants.push(Grant {
             granted,
             remaining,
             retry_after_ms,
             replayed,
+            share_per_ms,
+            period_ms,
         });
     }
     Ok(LeaseOutcome { now_ms, grants })
@@ -254,11 +264,21 @@ mod tests {
             limits,
             min: 1,
             want: 5,
+            holder: Some("i-1".into()),
+            demand_per_ms: 0.25,
+        };
+        let anonymous = LeaseItem {
+            id: "id-2".into(),
+            holder: None,
+            demand_per_ms: 0.0,
+            ..item.clone()
         };
         let cmd = lease_cmd(
-            &[item],
+            &[item, anonymous],
             &StoreSettings {
                 dedup_ttl_ms: 60_000,
+                assignment_period_ms: 1_000,
+                lease_ttl_ms: 2_000,
             },
         );
         let args: Vec<String> = cmd
@@ -272,18 +292,52 @@ mod tests {
             args,
             [
                 "FCALL",
-                "tollgate_v1_lease",
-                "2",
+                "tollgate_v2_lease",
+                "4",
                 "tollgate:{acme}:p:acme",
                 "tollgate:{acme}:lease:id-1",
+                "tollgate:{acme}:p:acme",
+                "tollgate:{acme}:lease:id-2",
                 "60000",
+                "1000",
+                "2000",
                 "20.0",
                 "0.1",
                 "1",
                 "5",
-                "1200"
+                "i-1",
+                "0.25",
+                "20.0",
+                "0.1",
+                "1",
+                "5",
+                "",
+                "0.0"
             ]
         );
+    }
+
+    #[test]
+    fn the_library_mirrors_the_rust_constants() {
+        use tollgate_core::assign::MAX_HOLDERS;
+        for line in [
+            format!("local MAX_HOLDERS = {MAX_HOLDERS}\n"),
+            format!(
+                "local BUCKET_TTL_MARGIN_MS = {}\n",
+                super::super::BUCKET_TTL_MARGIN_MS
+            ),
+            format!(
+                "local MAX_BUCKET_TTL_MS = {}\n",
+                super::super::MAX_BUCKET_TTL_MS
+            ),
+            format!("#!lua name={LIBRARY_NAME}\n"),
+            format!("redis.register_function('{LEASE_FN}', lease_fn)"),
+            format!("redis.register_function('{RETURN_FN}', return_fn)"),
+            format!("function_name = '{PING_FN}',"),
+            format!("return '{LIBRARY_NAME}'"),
+        ] {
+            assert!(LIBRARY.contains(&line), "tollgate.lua lacks {line:?}");
+        }
     }
 
     #[test]
@@ -294,18 +348,28 @@ mod tests {
             Value::BulkString(b"12.5".to_vec()),
             Value::BulkString(b"0".to_vec()),
             Value::Int(0),
+            Value::BulkString(b"0".to_vec()),
             Value::Int(0),
-            Value::BulkString(b"0.30000000000000004".to_vec()),
+            Value::Int(0),
+            Value::BulkString(b"-49.999999999999993".to_vec()),
             Value::BulkString(b"1.8446744073709552e+19".to_vec()),
             Value::Int(1),
+            Value::BulkString(b"0.050000000000000003".to_vec()),
+            Value::Int(1_000),
         ]);
         let o = parse_lease_reply(&v, 2).unwrap();
         assert_eq!(o.now_ms, 1_700_000_000_000);
         assert_eq!(o.grants[0].granted, 5);
         assert_eq!(o.grants[0].remaining, 12.5);
-        assert_eq!(o.grants[1].remaining, 0.1 + 0.2);
+        assert_eq!((o.grants[0].share_per_ms, o.grants[0].period_ms), (0.0, 0));
+        assert_eq!(
+            o.grants[1].remaining,
+            "-49.999999999999993".parse::<f64>().unwrap()
+        );
         assert_eq!(o.grants[1].retry_after_ms, u64::MAX);
         assert!(o.grants[1].replayed);
+        assert_eq!(o.grants[1].share_per_ms, 0.05);
+        assert_eq!(o.grants[1].period_ms, 1_000);
         assert!(parse_lease_reply(&v, 1).is_err());
         assert!(parse_return_reply(&Value::Array(vec![Value::Int(1), Value::Int(3)])).is_ok());
         assert!(parse_return_reply(&Value::Nil).is_err());

@@ -65,12 +65,19 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
+/// Assignment period of the store tests: long, so holdings never end while a test runs,
+/// however loaded the machine.
+pub const PERIOD_MS: u64 = 20_000;
+
 pub fn settings() -> StoreSettings {
     StoreSettings {
         dedup_ttl_ms: 60_000,
+        assignment_period_ms: PERIOD_MS,
+        lease_ttl_ms: 2_000,
     }
 }
 
+/// A lease item without a holder (leases only).
 pub fn lease(id: &str, policy: &str, key: &str, min: u64, want: u64) -> LeaseItem {
     LeaseItem {
         id: id.into(),
@@ -79,6 +86,24 @@ pub fn lease(id: &str, policy: &str, key: &str, min: u64, want: u64) -> LeaseIte
         limits: limits(policy),
         min,
         want,
+        holder: None,
+        demand_per_ms: 0.0,
+    }
+}
+
+/// A lease item of holder `holder` reporting `demand_per_s`.
+pub fn ask(
+    id: &str,
+    policy: &str,
+    key: &str,
+    (min, want): (u64, u64),
+    holder: &str,
+    demand_per_s: f64,
+) -> LeaseItem {
+    LeaseItem {
+        holder: Some(holder.into()),
+        demand_per_ms: demand_per_s / 1_000.0,
+        ..lease(id, policy, key, min, want)
     }
 }
 
@@ -170,6 +195,20 @@ pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
         .await
         .unwrap_or_else(|e| panic!("GET {path}: {e}"));
     (r.status, r.body)
+}
+
+/// Body of a one-item lease batch from holder `holder` with `demand_per_s`.
+pub fn holder_body(
+    id: &str,
+    policy: &str,
+    key: &str,
+    (min, want): (u64, u64),
+    holder: &str,
+    demand_per_s: f64,
+) -> String {
+    format!(
+        r#"{{"leases":[{{"id":"{id}","policy":"{policy}","key":"{key}","min":{min},"want":{want},"holder":"{holder}","demand_per_s":{demand_per_s}}}]}}"#
+    )
 }
 
 /// Body of a one-item lease batch.
