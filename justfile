@@ -14,6 +14,8 @@ build-wasm:
     @ls -l {{wasm}} | awk '{print "built {{wasm}}: " $5 " bytes"}'
 
 # Envoy + tollgate (global policy) + limiter (store=memory|redis) + demo upstream, until Ctrl-C.
+# The demo runs envoy/global.yaml with policies/demo.json: numbers a person can follow (burst
+# 20, a transfer costs 5, refilled at 10 units a minute).
 up store="memory": build-wasm build-limiter
     #!/usr/bin/env bash
     set -euo pipefail
@@ -28,7 +30,8 @@ up store="memory": build-wasm build-limiter
     elif [ "{{store}}" != "memory" ]; then
       echo "store must be memory or redis" >&2; exit 2
     fi
-    target/debug/tollgate-limiter --policies policies/payments-global.json "${redis_args[@]}" > target/demo-limiter.log 2>&1 &
+    tools/render-demo-config policies/demo.json target/demo/envoy.yaml
+    target/debug/tollgate-limiter --policies policies/demo.json "${redis_args[@]}" > target/demo-limiter.log 2>&1 &
     pids+=($!)
     for _ in $(seq 50); do curl -sf localhost:8081/healthz >/dev/null 2>&1 && break; sleep 0.1; done
     echo "tollgate demo ({{store}} store): Envoy on http://127.0.0.1:10000, admin :9901, limiter :8081 (/metrics). Try:"
@@ -36,7 +39,7 @@ up store="memory": build-wasm build-limiter
     echo "  curl -si -X POST -H 'host: api.example.com' -H 'x-tenant-id: acme' localhost:10000/payments/transfers"
     echo "  curl -s localhost:9901/stats/prometheus | grep ^tollgate_ ; curl -s localhost:8081/metrics | grep ^tollgate_"
     echo "Logs: target/demo-limiter.log. Ctrl-C stops everything."
-    envoy -c envoy/global.yaml --concurrency 4 --disable-hot-restart -l warn
+    envoy -c target/demo/envoy.yaml --concurrency 4 --disable-hot-restart -l warn
 
 # The demo (same as `up`): store=memory or store=redis.
 demo store="memory": (up store)
