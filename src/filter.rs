@@ -155,7 +155,7 @@ impl RootContext for Root {
         match self.configure() {
             Ok(configured) => {
                 log::info!(
-                    "tollgate: {} policies loaded (version {}), shared table of {} slots",
+                    "{} policies loaded (version {}), shared table of {} slots",
                     configured.engine.policies.policies.len(),
                     configured.engine.policies.version,
                     configured.engine.policies.local_table.slots
@@ -164,7 +164,7 @@ impl RootContext for Root {
                 true
             }
             Err(reason) => {
-                log::error!("tollgate: invalid plugin configuration: {reason}");
+                log::error!("invalid plugin configuration: {reason}");
                 false
             }
         }
@@ -258,7 +258,7 @@ fn send_reply(reply: &LocalReply) -> bool {
     match hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
         Ok(()) => true,
         Err(status) => {
-            log::warn!("tollgate: cannot send local reply: {status:?}");
+            log::warn!("cannot send local reply: {status:?}");
             false
         }
     }

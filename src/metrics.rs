@@ -118,7 +118,7 @@ fn define(kind: MetricType, name: &str) -> Option<u32> {
     match sink::define(kind, name) {
         Ok(id) => Some(id),
         Err(status) => {
-            log::warn!("tollgate: cannot define metric {name}: {status:?}");
+            log::warn!("cannot define metric {name}: {status:?}");
             None
         }
     }

@@ -308,7 +308,7 @@ impl Worker {
                 Vec::new()
             }
             Err(reason) => {
-                log::warn!("tollgate: lease callout not sent: {reason}");
+                log::warn!("lease callout not sent: {reason}");
                 ctx.metrics.callout(0, true);
                 self.fail_leases(ctx, &chunk);
                 chunk.into_iter().map(|a| a.need.bucket_id).collect()
@@ -389,7 +389,7 @@ impl Worker {
         for a in items {
             ctx.metrics.lease(a.need.policy, LeaseEvent::Unavailable);
             if let Err(error) = ctx.engine.mark_unavailable(ctx.store, &a.need, ctx.now_ms) {
-                log::warn!("tollgate: cannot record limiter outage for a key: {error:?}");
+                log::warn!("cannot record limiter outage for a key: {error:?}");
             }
             self.inflight.remove(&a.need.bucket_id);
         }
@@ -482,7 +482,7 @@ impl Worker {
                 a.retried = true;
                 self.inflight.remove(&a.need.bucket_id);
                 if let Err(error) = ctx.engine.refresh_pending(ctx.store, &a.need, ctx.now_ms) {
-                    log::debug!("tollgate: cannot mark a key as asking: {error:?}");
+                    log::debug!("cannot mark a key as asking: {error:?}");
                 }
                 a
             })
@@ -525,7 +525,7 @@ impl Worker {
                         .engine
                         .credit(ctx.store, need, grant, a.seq, ctx.now_ms, a.fresh)
                     {
-                        log::warn!("tollgate: granted tokens lost (table {error:?})");
+                        log::warn!("granted tokens lost (table {error:?})");
                         ctx.metrics
                             .lease(need.policy, LeaseEvent::Expired(grant.granted));
                     }
@@ -537,7 +537,7 @@ impl Worker {
                     if error.error == ErrorCode::InvalidPolicy {
                         ctx.metrics.lease(need.policy, LeaseEvent::InvalidPolicy);
                         log::warn!(
-                            "tollgate: limiter refused policy: {} ({})",
+                            "limiter refused policy: {} ({})",
                             error.error.as_str(),
                             error.reason.as_deref().unwrap_or("")
                         );
@@ -663,7 +663,7 @@ fn chunks(mut items: Vec<Asked>) -> Vec<Vec<Asked>> {
 }
 
 fn log_failure(error: &CalloutError) {
-    log::debug!("tollgate: limiter callout failed: {error:?}");
+    log::debug!("limiter callout failed: {error:?}");
 }
 
 #[cfg(test)]

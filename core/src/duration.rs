@@ -25,6 +25,12 @@ impl Millis {
             .find(|c: char| !c.is_ascii_digit())
             .ok_or_else(|| format!("`{text}` has no unit (use ms, s, m, h or d)"))?;
         let (digits, unit) = text.split_at(split);
+        if unit.starts_with(char::is_whitespace) {
+            return Err(format!(
+                "`{text}` has a space before its unit (write `{digits}{}`)",
+                unit.trim_start()
+            ));
+        }
         if digits.is_empty() {
             return Err(format!("`{text}` must start with a whole number"));
         }
@@ -104,6 +110,14 @@ mod tests {
         assert!(Millis::parse("1w").is_err());
         assert!(Millis::parse("99999999999999999999s").is_err());
         assert!(Millis::parse("366d").is_err());
+        assert_eq!(
+            Millis::parse("5 s"),
+            Err("`5 s` has a space before its unit (write `5s`)".into())
+        );
+        assert_eq!(
+            Millis::parse(" 5x"),
+            Err("`5x` has unknown unit `x` (use ms, s, m, h or d)".into())
+        );
     }
 
     #[test]
