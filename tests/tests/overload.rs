@@ -167,12 +167,7 @@ async fn overload_run(per_tick: (usize, usize), tenant: &'static str) {
         seconds,
         tenant,
         Duration::from_secs(2),
-        || {
-            calls_at_one_second = (
-                counter(&a, "lease_requests"),
-                counter(&b, "lease_requests"),
-            )
-        },
+        || calls_at_one_second = (counter(&a, "lease_requests"), counter(&b, "lease_requests")),
     )
     .await;
     let calls = (
@@ -361,6 +356,9 @@ async fn one_slow_answer_is_retried_and_sends_no_run_of_failure_mode_answers() {
     let retries = prometheus_value(&envoy.stats_prometheus(), "tollgate_callout_retries");
     println!("slow answer: {failed} of 80 answered 503, {retries} lease requests retried");
     assert!(retries >= 1.0, "the slow callout was retried");
-    assert_eq!(failed_after_resume, 0, "503 after the limiter answered again");
+    assert_eq!(
+        failed_after_resume, 0,
+        "503 after the limiter answered again"
+    );
     assert_eq!(counter(&envoy, "lease_unavailable"), 0);
 }

@@ -158,7 +158,8 @@ fn the_readme_quick_start_prints_what_the_readme_shows() {
         );
         let want = comparable(step.output.iter().cloned());
         assert_eq!(
-            got, want,
+            got,
+            want,
             "README command:\n$ {}\nprinted:\n{}\nthe README shows:\n{}",
             step.command,
             got.join("\n"),
