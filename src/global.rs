@@ -123,9 +123,19 @@ pub fn assignment_retry_ms(lease: &Lease, cost: u64, now_ms: u64) -> u64 {
     }
 }
 
-/// Whether the assignment is due for renewal (three quarters through its period).
+/// Whether the assignment is due for renewal: three quarters through its period; or, a
+/// quarter through, when the demand has grown to more than twice what the last request
+/// reported (a share sized from a young demand estimate grows within a period, not after it).
 pub fn renewal_due(lease: &Lease, now_ms: u64) -> bool {
-    assigned(lease, now_ms) && now_ms >= lease.renew_at_ms && lease.pending_until_ms <= now_ms
+    if !assigned(lease, now_ms) || lease.pending_until_ms > now_ms {
+        return false;
+    }
+    if now_ms >= lease.renew_at_ms {
+        return true;
+    }
+    let quarter = lease.renew_at_ms.saturating_sub(lease.assigned_at_ms) / 3;
+    now_ms >= lease.assigned_at_ms.saturating_add(quarter)
+        && demand_per_s(lease, now_ms) > 2.0 * lease.asked_demand_per_s
 }
 
 /// Whether the lease has fallen below its low-water mark (time for a background refill).
@@ -183,6 +193,7 @@ pub fn apply_grant(
         lease.drip_from_ms = now_ms;
         lease.drip_until_ms = now_ms.saturating_add(period);
         lease.assigned_until_ms = now_ms.saturating_add(period);
+        lease.assigned_at_ms = now_ms;
         lease.renew_at_ms = now_ms.saturating_add(period - period / 4);
     } else {
         lease.drip_per_ms = 0.0;

@@ -81,6 +81,11 @@ pub struct Lease {
     pub assigned_until_ms: u64,
     /// From this time the next request asks to renew the assignment.
     pub renew_at_ms: u64,
+    /// When the running assignment was received.
+    pub assigned_at_ms: u64,
+    /// The demand (units per second) the latest lease request reported: a demand that has
+    /// since grown far beyond it renews the assignment early.
+    pub asked_demand_per_s: f64,
 }
 
 /// The state of one (policy, key) on this Envoy instance.
@@ -105,7 +110,7 @@ impl Record {
     }
 }
 
-const LEASE_FIELDS: usize = 17;
+const LEASE_FIELDS: usize = 19;
 const FIXED_BYTES: usize = 1 + 16 + LEASE_FIELDS * 8 + 8;
 
 fn encode(record: &Record) -> Vec<u8> {
@@ -145,10 +150,16 @@ fn encode(record: &Record) -> Vec<u8> {
         l.drip_until_ms,
         l.assigned_until_ms,
         l.renew_at_ms,
+        l.assigned_at_ms,
     ] {
         out.extend_from_slice(&value.to_le_bytes());
     }
-    for value in [l.rate_per_s, l.drip_per_ms, l.drip_carry] {
+    for value in [
+        l.rate_per_s,
+        l.drip_per_ms,
+        l.drip_carry,
+        l.asked_demand_per_s,
+    ] {
         out.extend_from_slice(&value.to_le_bytes());
     }
     out.extend_from_slice(&record.evictable_at_ms.to_le_bytes());
@@ -190,15 +201,17 @@ fn decode(bytes: &[u8]) -> Option<Record> {
         drip_until_ms: u(13)?,
         assigned_until_ms: u(14)?,
         renew_at_ms: u(15)?,
-        rate_per_s: f64::from_le_bytes(word(16)?),
-        drip_per_ms: f64::from_le_bytes(word(17)?),
-        drip_carry: f64::from_le_bytes(word(18)?),
+        assigned_at_ms: u(16)?,
+        rate_per_s: f64::from_le_bytes(word(17)?),
+        drip_per_ms: f64::from_le_bytes(word(18)?),
+        drip_carry: f64::from_le_bytes(word(19)?),
+        asked_demand_per_s: f64::from_le_bytes(word(20)?),
     };
     Some(Record {
         id,
         bucket: (present == 1).then_some(bucket),
         lease,
-        evictable_at_ms: u(19)?,
+        evictable_at_ms: u(21)?,
     })
 }
 

@@ -196,6 +196,7 @@ impl Engine {
                     record.lease.pending_until_ms =
                         now_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
                 }
+                record.lease.asked_demand_per_s = *demand_per_s;
                 scratch.needs.push(LeaseNeed {
                     policy: m.index,
                     key: m.key.clone(),

@@ -257,13 +257,15 @@ pub(super) fn ask_in_background(
 ) {
     lease.pending_until_ms = now_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
     let want = global::want(lease, matched.cost, settings, now_ms);
+    let demand_per_s = global::reported_demand(lease, want, settings, now_ms);
+    lease.asked_demand_per_s = demand_per_s;
     scratch.needs.push(LeaseNeed {
         policy: matched.index,
         key: matched.key.clone(),
         bucket_id: matched.bucket_id.clone(),
         min: matched.cost,
         want,
-        demand_per_s: global::reported_demand(lease, want, settings, now_ms),
+        demand_per_s,
         blocking: false,
     });
 }

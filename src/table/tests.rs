@@ -363,6 +363,8 @@ fn corrupt_slots_read_as_empty() {
             drip_carry: 0.75,
             assigned_until_ms: 24,
             renew_at_ms: 25,
+            assigned_at_ms: 26,
+            asked_demand_per_s: 27.5,
         },
         evictable_at_ms: 10,
     };
