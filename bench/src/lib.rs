@@ -3,10 +3,11 @@
 //! "Benchmarks"), plus criterion microbenchmarks of the core (`benches/core.rs`).
 //!
 //! The library holds the parts with logic worth a unit test: config edits, wrk output, Redis
-//! and `/proc` counters, medians, ratios and targets, the report.
+//! and `/proc` counters, medians, ratios and targets, the report, scenario 7's paced load.
 
 pub mod config;
 pub mod micro;
+pub mod paced;
 pub mod report;
 pub mod stats;
 pub mod wrk;
