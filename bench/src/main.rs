@@ -8,13 +8,16 @@
 //!   5  tollgate, one global policy (leases)        6  the same, batching off (lease_max 1)
 //!   5h 5 with leases sized for 1 s of demand instead of 250 ms (`limiter.lease_horizon`)
 //!   1u, 5u: 1 and 5 against a real HTTP upstream instead of a direct response
-//!   7  over limit: two Envoys, paced demand at ~3 × a global policy's rate
+//!   7  over limit: two Envoys, one global policy, paced demand per key at 3 × the rate split
+//!      evenly, 10 × split evenly and 10 × split 3:1, by a Rust load generator (`paced.rs`:
+//!      per-answer status and latency, which wrk cannot give)
 //! 1–6 never deny. Every process is killed when the driver exits (the harness ties children to
 //! it), also on Ctrl-C.
 //!
 //! Flags: --rounds N (3) --seconds S (5) --warmup S (2) --connections N (64) --threads N (1)
 //! --concurrency N (Envoy workers, 1) --tenants N (100) --distribution zipf|uniform (zipf)
-//! --only 1,2,5 (scenario ids; 7 for the over-limit run) --s7-seconds S (10) --out DIR
+//! --only 1,2,5 (scenario ids; 7 for the over-limit run) --s7-seconds S (8, per variant and
+//! round: 3 rounds take about 80 s) --out DIR
 //! (bench/results) --no-write (print only).
 
 #![allow(clippy::expect_used, clippy::panic)]
@@ -23,11 +26,12 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tollgate_bench::config::{self, PolicyDoc, CLOSED, ROUTE};
 use tollgate_bench::micro;
-use tollgate_bench::report::{OverLimitRun, Report, Run, Scenario, Setup};
+use tollgate_bench::paced;
+use tollgate_bench::report::{InstanceRun, Latency, OverLimitRun, Report, Run, Scenario, Setup};
 use tollgate_bench::stats::{cpu_seconds, peak_rss};
 use tollgate_bench::wrk::{self, Load};
 use tollgate_e2e::redis::commandstats_calls as redis_calls;
@@ -66,7 +70,7 @@ fn args_from(argv: Vec<String>) -> Args {
         tenants: 100,
         distribution: "zipf".into(),
         only: None,
-        s7_seconds: 10.0,
+        s7_seconds: 8.0,
         out: paths::workspace_root().join("bench/results"),
         write: true,
     };
@@ -392,13 +396,78 @@ fn counting_upstream() -> (Upstream, Counts) {
     (upstream, counts)
 }
 
-const S7_TENANTS: u32 = 10;
-const S7_RATE: u64 = 100;
-const S7_BURST: u64 = 20;
-const S7_CONNECTIONS: u32 = 20;
+/// Scenario 7: keys per variant, the policy's rate per key and burst, the warm-up left out
+/// of the instance split.
+const S7_TENANTS: u32 = 4;
+const S7_RATE: u64 = 40;
+const S7_BURST: u64 = 10;
+const S7_WARMUP: Duration = Duration::from_secs(2);
+/// Quiet time after each variant before its counters are read, so the answers to its last
+/// lease calls are counted with it and not with the next variant.
+const S7_SETTLE: Duration = Duration::from_millis(500);
 
-/// Scenario 7: two Envoys share one global policy (S7_TENANTS tenants, S7_RATE/s, burst
-/// S7_BURST); each gets half of 3 × the rate, paced; fresh tenants every round.
+/// One kind of overload: demand per key as a multiple of the rate, split A:B.
+struct Variant {
+    name: &'static str,
+    /// Tenant name part (fresh keys per variant and round).
+    slug: &'static str,
+    multiple: f64,
+    split: (u32, u32),
+}
+
+const S7_VARIANTS: [Variant; 3] = [
+    Variant {
+        name: "3× even",
+        slug: "3x11",
+        multiple: 3.0,
+        split: (1, 1),
+    },
+    Variant {
+        name: "10× even",
+        slug: "10x11",
+        multiple: 10.0,
+        split: (1, 1),
+    },
+    Variant {
+        name: "10× 3:1",
+        slug: "10x31",
+        multiple: 10.0,
+        split: (3, 1),
+    },
+];
+
+/// Counters of one Envoy that scenario 7 takes differences of.
+#[derive(Debug, Clone, Copy, Default)]
+struct S7Counters {
+    lease_calls: u64,
+    assignments: u64,
+    retries: u64,
+    undecided: u64,
+}
+
+fn s7_counters(envoy: &Envoy) -> S7Counters {
+    let text = envoy.stats_prometheus();
+    let get = |name: &str| {
+        prometheus_value(&text, &format!("tollgate_{name}{{policy=\"per-tenant\"}}")) as u64
+    };
+    S7Counters {
+        lease_calls: get("lease_requests"),
+        assignments: get("assignments"),
+        retries: prometheus_value(&text, "tollgate_callout_retries") as u64,
+        undecided: [
+            "fail_open",
+            "fail_closed",
+            "fallback_allowed",
+            "fallback_denied",
+        ]
+        .iter()
+        .map(|n| get(n))
+        .sum(),
+    }
+}
+
+/// Scenario 7: two Envoys share one global policy (S7_RATE/s per key, burst S7_BURST); every
+/// round runs each variant in turn on S7_TENANTS fresh keys, paced by the harness client.
 fn over_limit(a: &Args) -> Vec<OverLimitRun> {
     let (upstream, counts) = counting_upstream();
     let policy = PolicyDoc {
@@ -425,93 +494,146 @@ fn over_limit(a: &Args) -> Vec<OverLimitRun> {
                     .name(format!("bench-s7{name}")),
             );
             let port = envoy.listener_port("ingress");
+            eprintln!("  S7 Envoy {} up on :{port}", name.to_uppercase());
             (envoy, port)
         })
         .collect();
-    // Per instance: 1.5 × rate × tenants requests/s over S7_CONNECTIONS paced connections.
-    let per_instance = 1.5 * S7_RATE as f64 * f64::from(S7_TENANTS);
-    // Each connection waits `delay` after a response; a response takes ~2 ms here, so the cycle
-    // is delay + 2 ms. The demand actually offered is measured and reported.
-    let delay_ms = (f64::from(S7_CONNECTIONS) * 1000.0 / per_instance - 2.0)
-        .round()
-        .max(1.0) as u64;
+    let (Some((envoy_a, port_a)), Some((envoy_b, port_b))) = (envoys.first(), envoys.get(1)) else {
+        panic!("S7 needs two Envoys");
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime for the load generator");
+    let counters = || [s7_counters(envoy_a), s7_counters(envoy_b)];
     let mut runs = Vec::new();
     for round in 0..a.rounds {
-        let prefix = format!("s7r{round}-");
-        let undecided_before: u64 = envoys
-            .iter()
-            .map(|(e, _)| undecided(&filter_counters(e)))
-            .sum();
-        let started = Instant::now();
-        let results: Vec<Result<wrk::Measured, String>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = envoys
-                .iter()
-                .enumerate()
-                .map(|(i, (_, port))| {
-                    let load = Load {
-                        threads: 1,
-                        connections: S7_CONNECTIONS,
-                        duration: Duration::from_secs_f64(a.s7_seconds),
-                        tenants: S7_TENANTS,
-                        distribution: "uniform".into(),
-                        seed: 7_000 + u64::from(round) * 10 + i as u64,
-                        prefix: prefix.clone(),
-                        delay_ms: Some(delay_ms),
-                    };
-                    let port = *port;
-                    scope.spawn(move || wrk::run(port, &load))
-                })
+        // Rotate the order each round so no variant always runs first.
+        for k in 0..S7_VARIANTS.len() {
+            let Some(v) = S7_VARIANTS.get((k + round as usize) % S7_VARIANTS.len()) else {
+                continue;
+            };
+            let tenants: Vec<String> = (0..S7_TENANTS)
+                .map(|t| format!("s7r{round}-{}-k{t}", v.slug))
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err("wrk thread panicked".into()))
-                })
-                .collect()
-        });
-        let seconds = started.elapsed().as_secs_f64();
-        let measured: Vec<wrk::Measured> = results
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|e| panic!("S7: {e}")))
-            .collect();
-        let admitted: Vec<(String, u64)> = {
-            let counts = counts.lock().unwrap_or_else(|p| p.into_inner());
-            (0..S7_TENANTS)
-                .map(|t| {
-                    let name = format!("{prefix}{t}");
-                    let n = counts.get(&name).copied().unwrap_or(0);
-                    (name, n)
-                })
-                .collect()
-        };
-        let undecided_after: u64 = envoys
-            .iter()
-            .map(|(e, _)| undecided(&filter_counters(e)))
-            .sum();
-        let run = OverLimitRun {
-            round,
-            seconds,
-            tenants: S7_TENANTS,
-            rate: S7_RATE,
-            burst: S7_BURST,
-            demanded: measured.iter().map(|m| m.requests).sum(),
-            admitted,
-            undecided: undecided_after - undecided_before,
-            socket_errors: measured.iter().map(|m| m.socket_errors).sum(),
-        };
-        eprintln!(
-            "  S7 round {round}: {:.2} s, demand {:.2} × rate, admitted {} of {:.0} allowed \
-             (overshoot {:.2} %, under-use {:.2} %)",
-            run.seconds,
-            run.demand_ratio(),
-            run.admitted_total(),
-            run.allowed_total(),
-            run.overshoot_pct(),
-            run.underuse_pct()
-        );
-        runs.push(run);
+            let per_key = v.multiple * S7_RATE as f64;
+            let parts = f64::from(v.split.0 + v.split.1);
+            let demand = [
+                paced::Demand {
+                    port: *port_a,
+                    per_key_per_s: per_key * f64::from(v.split.0) / parts,
+                },
+                paced::Demand {
+                    port: *port_b,
+                    per_key_per_s: per_key * f64::from(v.split.1) / parts,
+                },
+            ];
+            let before = counters();
+            let redis_before = redis_calls(&redis.info("commandstats"));
+            let mut at_one_second = [S7Counters::default(); 2];
+            let (tallies, seconds) = runtime.block_on(paced::run(
+                demand,
+                &tenants,
+                a.s7_seconds,
+                S7_WARMUP,
+                || at_one_second = counters(),
+            ));
+            std::thread::sleep(S7_SETTLE);
+            let after = counters();
+            let redis_after = redis_calls(&redis.info("commandstats"));
+            let admitted: Vec<(String, u64)> = {
+                let counts = counts.lock().unwrap_or_else(|p| p.into_inner());
+                tenants
+                    .iter()
+                    .map(|t| (t.clone(), counts.get(t).copied().unwrap_or(0)))
+                    .collect()
+            };
+            let mut admitted_us = Vec::new();
+            let mut denied_us = Vec::new();
+            let mut instances: [InstanceRun; 2] = Default::default();
+            for (i, t) in tallies.into_iter().enumerate() {
+                let (Some(b), Some(one), Some(af), Some(slot)) = (
+                    before.get(i),
+                    at_one_second.get(i),
+                    after.get(i),
+                    instances.get_mut(i),
+                ) else {
+                    continue;
+                };
+                *slot = InstanceRun {
+                    offered: t.offered,
+                    admitted: t.admitted,
+                    denied: t.denied,
+                    other: t.other,
+                    offered_steady: t.offered_steady,
+                    admitted_steady: t.admitted_steady,
+                    lease_calls: af.lease_calls - b.lease_calls,
+                    lease_calls_after_1s: af.lease_calls - one.lease_calls,
+                    assignments: af.assignments - b.assignments,
+                };
+                admitted_us.extend(t.admitted_us);
+                denied_us.extend(t.denied_us);
+            }
+            let delta = |f: fn(&S7Counters) -> u64| -> u64 {
+                after.iter().map(f).sum::<u64>() - before.iter().map(f).sum::<u64>()
+            };
+            let run = OverLimitRun {
+                round,
+                variant: v.name.into(),
+                multiple: v.multiple,
+                split: v.split,
+                seconds,
+                warmup_s: S7_WARMUP.as_secs_f64(),
+                tenants: S7_TENANTS,
+                rate: S7_RATE,
+                burst: S7_BURST,
+                demanded: instances.iter().map(|i| i.offered).sum(),
+                admitted,
+                undecided: delta(|c| c.undecided),
+                retries: delta(|c| c.retries),
+                instances,
+                redis: Some((
+                    redis_after.0 - redis_before.0,
+                    redis_after.1 - redis_before.1,
+                )),
+                admitted_latency: Latency::of(admitted_us),
+                denied_latency: Latency::of(denied_us),
+            };
+            let [la, lb] = run.lease_calls_per_key_instance_s();
+            let client_admitted: u64 = run.instances.iter().map(|i| i.admitted).sum();
+            eprintln!(
+                "  S7 round {round} {:<8} {:.2} s, demand {:.2} × rate, admitted {} of {:.0} \
+                 (overshoot {:.2} %, under-use {:.2} %), lease calls/key/instance/s A {:.2} B {:.2}, \
+                 {:.1} FCALL/s, split {:.2} for {:.2}, 429 p99 {:.2} ms{}",
+                v.name,
+                run.seconds,
+                run.demand_ratio(),
+                run.admitted_total(),
+                run.allowed_total(),
+                run.overshoot_pct(),
+                run.underuse_pct(),
+                la.unwrap_or(f64::NAN),
+                lb.unwrap_or(f64::NAN),
+                run.fcalls_per_s().unwrap_or(f64::NAN),
+                run.admitted_split().unwrap_or(f64::NAN),
+                run.demand_split().unwrap_or(f64::NAN),
+                run.denied_latency.p99_us.map_or(f64::NAN, |us| us as f64 / 1e3),
+                if client_admitted == run.admitted_total() && run.other() == 0 {
+                    String::new()
+                } else {
+                    format!(
+                        "  [{} answered 200 but {} reached the upstream; {} neither 200 nor 429]",
+                        client_admitted,
+                        run.admitted_total(),
+                        run.other()
+                    )
+                }
+            );
+            runs.push(run);
+        }
     }
+    drop(runtime);
     drop(envoys);
     drop(limiter);
     drop(redis);
@@ -528,13 +650,6 @@ fn cpu_of(env: &Env) -> (Option<f64>, Option<f64>) {
         _ => None,
     };
     (envoy, backend)
-}
-
-fn undecided(counters: &[(String, u64)]) -> u64 {
-    counters
-        .iter()
-        .find(|(n, _)| n == "undecided")
-        .map_or(0, |(_, v)| *v)
 }
 
 /// `tollgate-bench micro-summary`: the criterion results as bench/results/micro.{md,json}.
@@ -578,8 +693,9 @@ fn main() {
         // No other thread has been started yet.
         std::env::set_var("TOLLGATE_LIMITER_BIN", server);
     }
+    // Scenario 7 has its own load generator; the others run wrk.
     assert!(
-        paths::which("wrk").is_some(),
+        specs().iter().all(|s| !wanted(s.id)) || paths::which("wrk").is_some(),
         "wrk not found: run tools/setup (Debian package wrk)"
     );
     let _ = paths::wasm_path();
@@ -678,7 +794,11 @@ fn main() {
     drop(upstream);
 
     let over_limit = if wanted("7") {
-        eprintln!("  S7: two Envoys, {S7_TENANTS} tenants at {S7_RATE}/s (burst {S7_BURST}), demand ~3 × rate");
+        eprintln!(
+            "  S7: two Envoys, {S7_TENANTS} keys per variant at {S7_RATE}/s (burst {S7_BURST}); \
+             demand 3× even, 10× even, 10× 3:1, {} s each",
+            a.s7_seconds
+        );
         over_limit(&a)
     } else {
         Vec::new()

@@ -30,21 +30,96 @@ pub struct Scenario {
     pub counters: Vec<(String, u64)>,
 }
 
-/// One over-limit run (scenario 7).
+/// One instance's part of an over-limit run, as its load generator and its filter saw it.
+#[derive(Debug, Clone, Default)]
+pub struct InstanceRun {
+    pub offered: u64,
+    /// Answered 200 / 429 / anything else (other statuses, transport errors).
+    pub admitted: u64,
+    pub denied: u64,
+    pub other: u64,
+    /// Offered and admitted after the warm-up (the split between instances is judged on these).
+    pub offered_steady: u64,
+    pub admitted_steady: u64,
+    /// The filter's lease calls during the run, and from one second into it.
+    pub lease_calls: u64,
+    pub lease_calls_after_1s: u64,
+    /// Limiter answers carrying a share of the rate (assignments) during the run.
+    pub assignments: u64,
+}
+
+/// Latency of one kind of answer: how many, median and 99th percentile.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Latency {
+    pub count: u64,
+    pub p50_us: Option<u64>,
+    pub p99_us: Option<u64>,
+}
+
+impl Latency {
+    pub fn of(mut samples_us: Vec<u64>) -> Latency {
+        samples_us.sort_unstable();
+        Latency {
+            count: samples_us.len() as u64,
+            p50_us: percentile(&samples_us, 0.50),
+            p99_us: percentile(&samples_us, 0.99),
+        }
+    }
+
+    /// `p50 · p99` in ms, `–` when there were no such answers.
+    fn cell(&self) -> String {
+        match (self.p50_us, self.p99_us) {
+            (Some(p50), Some(p99)) => format!("{:.2} · {:.2}", p50 as f64 / 1e3, p99 as f64 / 1e3),
+            _ => "–".into(),
+        }
+    }
+}
+
+/// Nearest-rank percentile (`q` in 0..=1) of ascending `sorted` values.
+pub fn percentile(sorted: &[u64], q: f64) -> Option<u64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = (q * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted.get(rank.min(sorted.len()) - 1).copied()
+}
+
+/// One variant of the over-limit run (scenario 7) in one round: two Envoys, one global
+/// policy, `tenants` fresh keys, paced demand `multiple` × the rate per key split `split`
+/// (A:B) between the instances.
 #[derive(Debug, Clone, Default)]
 pub struct OverLimitRun {
     pub round: u32,
+    /// E.g. `10× 3:1`.
+    pub variant: String,
+    /// Nominal demand per key, as a multiple of the rate, and its split between A and B.
+    pub multiple: f64,
+    pub split: (u32, u32),
     pub seconds: f64,
+    /// Warm-up excluded from the split, seconds.
+    pub warmup_s: f64,
     pub tenants: u32,
     pub rate: u64,
     pub burst: u64,
-    /// Requests sent by both load generators.
+    /// Requests sent to both instances.
     pub demanded: u64,
     /// Requests that reached the upstream, per tenant.
     pub admitted: Vec<(String, u64)>,
     /// Requests decided by the failure mode instead of the limiter (both Envoys).
     pub undecided: u64,
-    pub socket_errors: u64,
+    /// Instances A and B.
+    pub instances: [InstanceRun; 2],
+    /// Lease requests the filters sent again after no answer (both Envoys).
+    pub retries: u64,
+    /// Redis calls during the run: `(FCALL transitions, all commands)`.
+    pub redis: Option<(u64, u64)>,
+    /// Latency of the 200 and of the 429 answers, both instances.
+    pub admitted_latency: Latency,
+    pub denied_latency: Latency,
+}
+
+fn ratio(numerator: f64, denominator: f64) -> Option<f64> {
+    (denominator > 0.0).then(|| numerator / denominator)
 }
 
 impl OverLimitRun {
@@ -64,11 +139,7 @@ impl OverLimitRun {
     /// Demand as a multiple of the policy's rate (all tenants).
     pub fn demand_ratio(&self) -> f64 {
         let rate = self.rate as f64 * self.seconds * f64::from(self.tenants);
-        if rate > 0.0 {
-            self.demanded as f64 / rate
-        } else {
-            0.0
-        }
+        ratio(self.demanded as f64, rate).unwrap_or(0.0)
     }
 
     /// Worst tenant's admissions beyond rate × time + burst, in % of that (0 when none).
@@ -88,6 +159,67 @@ impl OverLimitRun {
             return 0.0;
         }
         ((allowed - self.admitted_total() as f64) * 100.0 / allowed).max(0.0)
+    }
+
+    /// Lease calls of both instances.
+    pub fn lease_calls(&self) -> u64 {
+        self.instances.iter().map(|i| i.lease_calls).sum()
+    }
+
+    pub fn lease_calls_per_s(&self) -> Option<f64> {
+        ratio(self.lease_calls() as f64, self.seconds)
+    }
+
+    pub fn lease_calls_per_offered(&self) -> Option<f64> {
+        ratio(self.lease_calls() as f64, self.demanded as f64)
+    }
+
+    /// Lease calls per key per second after the first second, instance A and B (the first
+    /// second holds the start-up: leases, then the first assignment).
+    pub fn lease_calls_per_key_instance_s(&self) -> [Option<f64>; 2] {
+        let key_seconds = f64::from(self.tenants) * (self.seconds - 1.0);
+        self.instances
+            .clone()
+            .map(|i| ratio(i.lease_calls_after_1s as f64, key_seconds))
+    }
+
+    /// The larger of A's and B's [`Self::lease_calls_per_key_instance_s`].
+    pub fn worst_lease_calls_per_key_instance_s(&self) -> Option<f64> {
+        let [a, b] = self.lease_calls_per_key_instance_s();
+        match (a, b) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    pub fn fcalls_per_s(&self) -> Option<f64> {
+        ratio(self.redis?.0 as f64, self.seconds)
+    }
+
+    pub fn fcalls_per_offered(&self) -> Option<f64> {
+        ratio(self.redis?.0 as f64, self.demanded as f64)
+    }
+
+    /// Admitted by A over admitted by B, after the warm-up.
+    pub fn admitted_split(&self) -> Option<f64> {
+        let [a, b] = &self.instances;
+        ratio(a.admitted_steady as f64, b.admitted_steady as f64)
+    }
+
+    /// Offered to A over offered to B, after the warm-up (the demand split, as measured).
+    pub fn demand_split(&self) -> Option<f64> {
+        let [a, b] = &self.instances;
+        ratio(a.offered_steady as f64, b.offered_steady as f64)
+    }
+
+    /// How far the admitted split is from the demand split, in % of the demand split.
+    pub fn split_error_pct(&self) -> Option<f64> {
+        Some((self.admitted_split()? / self.demand_split()? - 1.0) * 100.0)
+    }
+
+    /// Answers that were neither 200 nor 429 (both instances).
+    pub fn other(&self) -> u64 {
+        self.instances.iter().map(|i| i.other).sum()
     }
 }
 
@@ -282,30 +414,86 @@ impl Report {
             calls.map(|(l, _)| l <= 20.0),
         ));
         if !self.over_limit.is_empty() {
-            let overshoot = self
-                .over_limit
-                .iter()
-                .map(OverLimitRun::overshoot_pct)
-                .fold(0.0, f64::max);
-            out.push((
-                "S7 no overshoot beyond rate × time + burst (worst tenant, worst round)"
-                    .to_string(),
-                format!("{overshoot:.2} %"),
-                Some(overshoot <= 0.0),
-            ));
-            let underuse = median(
-                self.over_limit
-                    .iter()
-                    .map(OverLimitRun::underuse_pct)
-                    .collect(),
-            );
-            out.push((
-                "S7 under-use ≤ 5 % (median round)".to_string(),
-                underuse.map_or("n/a".into(), |u| format!("{u:.2} %")),
-                underuse.map(|u| u <= 5.0),
-            ));
+            out.extend(self.over_limit_targets());
         }
         out
+    }
+
+    /// Scenario 7's variants, in the order they first ran, each with its rounds.
+    pub fn over_limit_variants(&self) -> Vec<(&str, Vec<&OverLimitRun>)> {
+        let mut out: Vec<(&str, Vec<&OverLimitRun>)> = Vec::new();
+        for run in &self.over_limit {
+            match out.iter_mut().find(|(v, _)| *v == run.variant) {
+                Some((_, runs)) => runs.push(run),
+                None => out.push((&run.variant, vec![run])),
+            }
+        }
+        out
+    }
+
+    /// Scenario 7's targets, each judged on every variant's worst round.
+    fn over_limit_targets(&self) -> Vec<(String, String, Option<bool>)> {
+        let variants = self.over_limit_variants();
+        // Per variant: the worst round's value (`None` when a round could not be measured).
+        let judge = |what: &str,
+                     metric: &dyn Fn(&OverLimitRun) -> Option<f64>,
+                     worse: fn(f64, f64) -> f64,
+                     fmt: &dyn Fn(f64) -> String,
+                     ok: &dyn Fn(f64) -> bool| {
+            let mut cells = Vec::new();
+            let mut met = Some(true);
+            for (variant, runs) in &variants {
+                let worst = runs
+                    .iter()
+                    .map(|r| metric(r))
+                    .try_fold(None::<f64>, |acc, v| {
+                        v.map(|v| Some(acc.map_or(v, |a| worse(a, v))))
+                    })
+                    .flatten();
+                match worst {
+                    Some(v) => {
+                        cells.push(format!("{variant}: {}", fmt(v)));
+                        met = met.map(|m| m && ok(v));
+                    }
+                    None => {
+                        cells.push(format!("{variant}: n/a"));
+                        met = None;
+                    }
+                }
+            }
+            (what.to_string(), cells.join(" · "), met)
+        };
+        let worse_abs = |a: f64, b: f64| if b.abs() > a.abs() { b } else { a };
+        vec![
+            judge(
+                "S7 ≤ 3 lease calls per key per instance per second after the first second (worse instance, worst round)",
+                &OverLimitRun::worst_lease_calls_per_key_instance_s,
+                f64::max,
+                &|v| format!("{v:.2}"),
+                &|v| v <= 3.0,
+            ),
+            judge(
+                "S7 no overshoot beyond rate × time + burst (worst key, worst round)",
+                &|r| Some(r.overshoot_pct()),
+                f64::max,
+                &|v| format!("{v:.2} %"),
+                &|v| v <= 0.0,
+            ),
+            judge(
+                "S7 under-use ≤ 5 % (worst round)",
+                &|r| Some(r.underuse_pct()),
+                f64::max,
+                &|v| format!("{v:.2} %"),
+                &|v| v <= 5.0,
+            ),
+            judge(
+                "S7 admitted split A:B within ±10 % of the demand split, after the warm-up (worst round)",
+                &OverLimitRun::split_error_pct,
+                worse_abs,
+                &|v| format!("{v:+.1} %"),
+                &|v| v.abs() <= 10.0,
+            ),
+        ]
     }
 
     pub fn markdown(&self) -> String {
@@ -405,31 +593,70 @@ impl Report {
                 "- Envoy CPU per request relative to S3 (less sensitive to the load generator's share of the cores than req/s): S4 {cpu4:.2}, S5 {cpu5:.2}.\n"
             ));
         }
-        if !self.over_limit.is_empty() {
-            md.push_str(
+        if let Some(first) = self.over_limit.first() {
+            md.push_str(&format!(
                 "\n## Scenario 7: over the limit\n\n\
-                 Two Envoys, one global policy per tenant, paced demand at about 3 × the rate \
-                 (split over both). Admitted = requests that reached the upstream; allowed = \
-                 rate × time + burst per tenant (each bucket starts full).\n\n\
-                 | round | tenants × (rate, burst) | seconds | demand (× rate) | admitted | allowed | overshoot (worst tenant) | under-use | undecided |\n\
-                 |---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
-            );
+                 Two Envoys (`--concurrency {conc}`) share one global policy ({rate}/s, burst \
+                 {burst}, `on_unavailable: closed`); each variant loads {tenants} fresh keys with \
+                 paced demand (a Rust client, new connection per request, sends every {tick} ms \
+                 what the demand owes) for {secs:.0} s, variants one after another in each round. \
+                 Admitted = requests that reached the upstream; allowed = rate × time + burst per \
+                 key (each bucket starts full). Lease calls are the filters' (both Envoys); per \
+                 key per instance they count from one second in. The split is A's admitted over \
+                 B's after a {warmup:.0} s warm-up, next to the demand split measured the same \
+                 way. Latencies are the load generator's, per answer.\n\n\
+                 | round | variant | s | demand × rate | admitted / allowed | overshoot (worst key) | under-use | lease calls /s · /req | lease calls /key/instance/s (A · B) | Redis FCALL /s · /req | admitted A · B | split A:B (demand) | 429 p50 · p99 ms | 200 p50 · p99 ms | undecided · other |\n\
+                 |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+                conc = s.concurrency,
+                rate = first.rate,
+                burst = first.burst,
+                tenants = first.tenants,
+                tick = crate::paced::TICK.as_millis(),
+                secs = first.seconds,
+                warmup = first.warmup_s,
+            ));
+            let num = |v: Option<f64>, digits: usize| {
+                v.map_or("–".to_string(), |v| format!("{v:.digits$}"))
+            };
             for r in &self.over_limit {
+                let [la, lb] = r.lease_calls_per_key_instance_s();
+                let [a, b] = &r.instances;
                 md.push_str(&format!(
-                    "| {} | {} × ({}/s, {}) | {:.2} | {:.2} | {} | {:.0} | {:.2} % | {:.2} % | {} |\n",
-                    r.round,
-                    r.tenants,
-                    r.rate,
-                    r.burst,
-                    r.seconds,
-                    r.demand_ratio(),
-                    r.admitted_total(),
-                    r.allowed_total(),
-                    r.overshoot_pct(),
-                    r.underuse_pct(),
-                    r.undecided,
+                    "| {round} | {variant} | {secs:.2} | {demand:.2} | {admitted} / {allowed:.0} | {over:.2} % | {under:.2} % | {lps} · {lpr} | {la} · {lb} | {fps} · {fpr} | {aa} · {ab} | {split} ({dsplit}) | {denied} | {ok} | {undecided} · {other} |\n",
+                    round = r.round,
+                    variant = r.variant,
+                    secs = r.seconds,
+                    demand = r.demand_ratio(),
+                    admitted = r.admitted_total(),
+                    allowed = r.allowed_total(),
+                    over = r.overshoot_pct(),
+                    under = r.underuse_pct(),
+                    lps = num(r.lease_calls_per_s(), 1),
+                    lpr = num(r.lease_calls_per_offered(), 4),
+                    la = num(la, 2),
+                    lb = num(lb, 2),
+                    fps = num(r.fcalls_per_s(), 1),
+                    fpr = num(r.fcalls_per_offered(), 4),
+                    aa = a.admitted,
+                    ab = b.admitted,
+                    split = num(r.admitted_split(), 2),
+                    dsplit = num(r.demand_split(), 2),
+                    denied = r.denied_latency.cell(),
+                    ok = r.admitted_latency.cell(),
+                    undecided = r.undecided,
+                    other = r.other(),
                 ));
             }
+            let retries: u64 = self.over_limit.iter().map(|r| r.retries).sum();
+            let assignments: u64 = self
+                .over_limit
+                .iter()
+                .flat_map(|r| r.instances.iter().map(|i| i.assignments))
+                .sum();
+            md.push_str(&format!(
+                "\nOver all variants and rounds: {assignments} limiter answers carried a share \
+                 of the rate (assignments), {retries} lease requests were sent again after no answer.\n"
+            ));
         }
         md.push_str("\n## Targets (issue 5)\n\n| target | measured | |\n|---|---:|---|\n");
         for (what, measured, met) in self.targets() {
@@ -486,24 +713,65 @@ impl Report {
                 })
             })
             .collect();
+        let latency =
+            |l: &Latency| json!({"count": l.count, "p50_us": l.p50_us, "p99_us": l.p99_us});
         let over_limit: Vec<Value> = self
             .over_limit
             .iter()
             .map(|r| {
+                let per_key = r.lease_calls_per_key_instance_s();
+                let instances: Vec<Value> = r
+                    .instances
+                    .iter()
+                    .zip(["a", "b"])
+                    .map(|(i, name)| {
+                        json!({
+                            "name": name,
+                            "offered": i.offered,
+                            "admitted": i.admitted,
+                            "denied": i.denied,
+                            "other": i.other,
+                            "offered_after_warmup": i.offered_steady,
+                            "admitted_after_warmup": i.admitted_steady,
+                            "lease_calls": i.lease_calls,
+                            "lease_calls_after_1s": i.lease_calls_after_1s,
+                            "assignments": i.assignments,
+                        })
+                    })
+                    .collect();
                 json!({
                     "round": r.round,
+                    "variant": r.variant,
+                    "demand_multiple": r.multiple,
+                    "demand_split": [r.split.0, r.split.1],
                     "tenants": r.tenants,
                     "rate_per_s": r.rate,
                     "burst": r.burst,
                     "seconds": r.seconds,
+                    "warmup_s": r.warmup_s,
                     "demanded": r.demanded,
                     "demand_ratio": r.demand_ratio(),
                     "admitted": r.admitted_total(),
                     "allowed": r.allowed_total(),
                     "overshoot_pct_worst_tenant": r.overshoot_pct(),
                     "underuse_pct": r.underuse_pct(),
+                    "lease_calls": r.lease_calls(),
+                    "lease_calls_per_s": r.lease_calls_per_s(),
+                    "lease_calls_per_offered": r.lease_calls_per_offered(),
+                    "lease_calls_per_key_per_instance_s_after_1s": per_key,
+                    "redis_fcall": r.redis.map(|x| x.0),
+                    "redis_all": r.redis.map(|x| x.1),
+                    "redis_fcall_per_s": r.fcalls_per_s(),
+                    "redis_fcall_per_offered": r.fcalls_per_offered(),
+                    "admitted_split": r.admitted_split(),
+                    "demand_split_measured": r.demand_split(),
+                    "split_error_pct": r.split_error_pct(),
+                    "latency_429": latency(&r.denied_latency),
+                    "latency_200": latency(&r.admitted_latency),
                     "undecided": r.undecided,
-                    "socket_errors": r.socket_errors,
+                    "other": r.other(),
+                    "callout_retries": r.retries,
+                    "instances": instances,
                     "admitted_per_tenant": r.admitted.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
                 })
             })
@@ -606,5 +874,135 @@ mod tests {
         assert!((r.demand_ratio() - 3.0).abs() < 1e-9);
         assert!((r.overshoot_pct() - 10.0 * 100.0 / 1020.0).abs() < 1e-9);
         assert!((r.underuse_pct() - (2040.0 - 1930.0) * 100.0 / 2040.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        assert_eq!(percentile(&[], 0.5), None);
+        assert_eq!(percentile(&[7], 0.99), Some(7));
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&v, 0.50), Some(50));
+        assert_eq!(percentile(&v, 0.99), Some(99));
+        assert_eq!(percentile(&v, 1.0), Some(100));
+        assert_eq!(percentile(&v, 0.0), Some(1));
+        let l = Latency::of(vec![300, 100, 200]);
+        assert_eq!((l.count, l.p50_us, l.p99_us), (3, Some(200), Some(300)));
+        assert_eq!(l.cell(), "0.20 · 0.30");
+        assert_eq!(Latency::of(Vec::new()).cell(), "–");
+    }
+
+    fn variant(
+        round: u32,
+        name: &str,
+        calls_after_1s: (u64, u64),
+        admitted: (u64, u64),
+    ) -> OverLimitRun {
+        OverLimitRun {
+            round,
+            variant: name.into(),
+            seconds: 9.0,
+            tenants: 4,
+            rate: 50,
+            burst: 10,
+            demanded: 18_000,
+            // 4 keys × (50 × 9 + 10) = 1840 allowed; 1800 admitted.
+            admitted: (0..4).map(|k| (format!("k{k}"), 450)).collect(),
+            instances: [
+                InstanceRun {
+                    offered_steady: 10_500,
+                    admitted_steady: admitted.0,
+                    lease_calls: calls_after_1s.0 + 30,
+                    lease_calls_after_1s: calls_after_1s.0,
+                    ..InstanceRun::default()
+                },
+                InstanceRun {
+                    offered_steady: 3_500,
+                    admitted_steady: admitted.1,
+                    lease_calls: calls_after_1s.1 + 20,
+                    lease_calls_after_1s: calls_after_1s.1,
+                    ..InstanceRun::default()
+                },
+            ],
+            redis: Some((450, 4000)),
+            ..OverLimitRun::default()
+        }
+    }
+
+    #[test]
+    fn over_limit_rates_per_key_and_split() {
+        let r = variant(0, "10× 3:1", (64, 32), (1050, 330));
+        // 4 keys × 8 s after the first second.
+        let [a, b] = r.lease_calls_per_key_instance_s();
+        assert!((a.unwrap_or(0.0) - 2.0).abs() < 1e-9);
+        assert!((b.unwrap_or(0.0) - 1.0).abs() < 1e-9);
+        assert_eq!(r.worst_lease_calls_per_key_instance_s(), a);
+        assert_eq!(r.lease_calls(), 146);
+        assert!((r.lease_calls_per_s().unwrap_or(0.0) - 146.0 / 9.0).abs() < 1e-9);
+        assert!((r.lease_calls_per_offered().unwrap_or(0.0) - 146.0 / 18_000.0).abs() < 1e-12);
+        assert!((r.fcalls_per_s().unwrap_or(0.0) - 50.0).abs() < 1e-9);
+        assert!((r.fcalls_per_offered().unwrap_or(0.0) - 0.025).abs() < 1e-12);
+        assert!((r.demand_split().unwrap_or(0.0) - 3.0).abs() < 1e-9);
+        assert!((r.admitted_split().unwrap_or(0.0) - 1050.0 / 330.0).abs() < 1e-9);
+        let err = r.split_error_pct().unwrap_or(0.0);
+        assert!(
+            (err - (1050.0 / 330.0 / 3.0 - 1.0) * 100.0).abs() < 1e-9,
+            "{err}"
+        );
+        // Nothing admitted by B: no split, no per-key rate for a run of one second.
+        let none = OverLimitRun {
+            seconds: 1.0,
+            ..variant(0, "x", (1, 1), (10, 0))
+        };
+        assert_eq!(none.admitted_split(), None);
+        assert_eq!(none.split_error_pct(), None);
+        assert_eq!(none.lease_calls_per_key_instance_s(), [None, None]);
+        assert_eq!(none.worst_lease_calls_per_key_instance_s(), None);
+        assert_eq!(OverLimitRun::default().fcalls_per_s(), None);
+    }
+
+    #[test]
+    fn over_limit_targets_judge_every_variant_on_its_worst_round() {
+        let report = Report {
+            over_limit: vec![
+                variant(0, "3× even", (32, 32), (700, 700)),
+                variant(0, "10× 3:1", (64, 32), (1050, 350)),
+                // Round 1 of 10× 3:1: 4 calls per key per second on A and a split of 2.5.
+                variant(1, "10× 3:1", (128, 32), (1000, 400)),
+                variant(1, "3× even", (32, 32), (700, 700)),
+            ],
+            ..Report::default()
+        };
+        let names: Vec<&str> = report.over_limit_variants().iter().map(|v| v.0).collect();
+        assert_eq!(names, vec!["3× even", "10× 3:1"]);
+        let targets = report.targets();
+        let find = |prefix: &str| {
+            targets
+                .iter()
+                .find(|t| t.0.starts_with(prefix))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let calls = find("S7 ≤ 3 lease calls");
+        assert_eq!(calls.1, "3× even: 1.00 · 10× 3:1: 4.00");
+        assert_eq!(calls.2, Some(false));
+        let overshoot = find("S7 no overshoot");
+        assert_eq!(overshoot.2, Some(true));
+        let underuse = find("S7 under-use");
+        // 1 − 1800 / 1840.
+        assert_eq!(underuse.1, "3× even: 2.17 % · 10× 3:1: 2.17 %");
+        assert_eq!(underuse.2, Some(true));
+        let split = find("S7 admitted split");
+        // Demand split 3; admitted 1.00 (−66.7 %) for 3× even, 2.5 (−16.7 %) in round 1.
+        assert_eq!(split.1, "3× even: -66.7 % · 10× 3:1: -16.7 %");
+        assert_eq!(split.2, Some(false));
+        let md = report.markdown();
+        assert!(md.contains("## Scenario 7: over the limit"), "{md}");
+        assert!(md.contains("| 1 | 10× 3:1 |"), "{md}");
+        let json = report.json();
+        assert_eq!(json["over_limit"].as_array().map(Vec::len), Some(4));
+        assert_eq!(
+            json["over_limit"][1]["lease_calls_per_key_per_instance_s_after_1s"][0],
+            2.0
+        );
     }
 }
