@@ -269,7 +269,11 @@ impl MemoryStore {
 
     /// The bucket `bucket_key` as of the store's clock.
     pub fn bucket_view(&self, bucket_key: &str) -> Option<BucketView> {
-        let now = self.clock.now_ms();
+        self.bucket_view_at(bucket_key, self.clock.now_ms())
+    }
+
+    /// The bucket `bucket_key` as of `now` (absent once expired).
+    pub fn bucket_view_at(&self, bucket_key: &str, now: u64) -> Option<BucketView> {
         let inner = self.lock();
         let stored = inner.bucket(bucket_key, now)?;
         let expires_at = inner.buckets.get(bucket_key).map(|e| e.expires_at)?;
@@ -334,10 +338,14 @@ impl MemoryStore {
             decided.push((i, allotment, at));
         }
 
-        // One item that gets nothing fails the unit: no bucket and no holding changes.
-        let all = decided.iter().all(|(_, a, _)| !a.is_empty());
+        // All or nothing: when some fresh items got something and others nothing, none of
+        // them takes anything and no bucket or holding changes. Items that all got nothing
+        // took nothing; what they leave is kept (a waiting holder's demand, the rest of a
+        // running assignment its renewal gave back), so the next renewals make room for it.
+        let given = decided.iter().filter(|(_, a, _)| !a.is_empty()).count();
+        let apply = given == decided.len() || given == 0;
         for t in &touched {
-            let bucket = if all { &t.now } else { &t.start };
+            let bucket = if apply { &t.now } else { &t.start };
             let ttl = bucket_ttl_ms(&t.limits, &bucket.state, &bucket.holdings, now);
             inner.put_bucket(&t.key, bucket.clone(), expiry(now, ttl));
         }
@@ -349,7 +357,7 @@ impl MemoryStore {
             let Some(item) = items.get(i) else {
                 continue;
             };
-            let record = if all {
+            let record = if apply {
                 LeaseRecord {
                     granted: allotment.granted,
                     taken: allotment.taken(),

@@ -242,10 +242,13 @@ impl StoreError {
 /// Where global buckets live. Every implementation has the same semantics, checked by one
 /// contract suite (`tests/contract.rs`).
 pub trait Store: Send + Sync + 'static {
-    /// Decides one unit atomically with `tollgate_core::assign::allot`: every item of `items`
-    /// (1 or more, all keys sharing one hash tag) gets something (a grant of at least its
-    /// `min`, or a share), or none takes anything and no bucket's holdings change. Items
-    /// whose lease id was decided before answer from their record and take nothing.
+    /// Decides one unit atomically with `tollgate_core::assign::allot`, its items (1 or
+    /// more, all keys sharing one hash tag) in order: every item gets something (a grant of
+    /// at least its `min`, or a share), or none takes anything. When some got something and
+    /// others nothing, no bucket and no holding changes; when all got nothing, what `allot`
+    /// left is kept (waiting holders' demands are recorded, so the others' renewals make
+    /// room for them). Items whose lease id was decided before answer from their record and
+    /// take nothing.
     fn lease(
         &self,
         items: &[LeaseItem],

@@ -289,8 +289,11 @@ end
 --         min, want, holder ('' = none: leases only), demand per ms (%.17g, >= 0).
 --   An item whose record exists is a replay: it answers from the record and takes nothing.
 --   The other items are decided in order by `allot` (a later item sees the earlier ones'
---   takings and holdings); if any of them gets nothing (no grant and no share), none of them
---   takes anything and no holding changes (their buckets are only refilled).
+--   takings and holdings). All or nothing: if some of them got something (a grant or a
+--   share) and others nothing, none of them takes anything and no holding changes (their
+--   buckets are only refilled); if all got nothing, what they leave is kept (a waiting
+--   holder's demand, the rest of a running assignment a renewal gave back), as a single
+--   item's is.
 --   Returns { now_ms, then 6 per item: granted (integer), remaining (text),
 --             retry_after_ms (text), replayed (0|1), share_per_ms (text),
 --             period_ms (integer) }.
@@ -347,16 +350,19 @@ local function lease_fn(keys, args)
     decided[i] = { granted, s.tokens, retry, key, share, period_ms }
   end
 
-  local all = true
+  -- All or nothing: mixed outcomes are undone (see `lease_fn` above); items that all got
+  -- nothing keep what they leave.
+  local given = 0
   for _, i in ipairs(fresh) do
-    if decided[i][1] == 0 and decided[i][5] <= 0 then
-      all = false
+    if decided[i][1] > 0 or decided[i][5] > 0 then
+      given = given + 1
     end
   end
+  local apply = given == #fresh or given == 0
 
   for _, key in ipairs(order) do
     local s = state[key]
-    if all then
+    if apply then
       local kept = {}
       for _, h in ipairs(s.holdings) do
         kept[h.holder] = true
@@ -388,7 +394,7 @@ local function lease_fn(keys, args)
   for _, i in ipairs(fresh) do
     local d = decided[i]
     local granted, remaining, share, period_ms = d[1], d[2], d[5], d[6]
-    if not all then
+    if not apply then
       granted, remaining, share, period_ms = 0, state[d[4]].start_tokens, 0, 0
     end
     local rem, ra, sh = fmt(remaining), millis_text(d[3]), fmt(share)
