@@ -14,12 +14,58 @@
 mod support;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use support::*;
+use tollgate_core::assign::{self, Allotment, MAX_HOLDERS};
 use tollgate_limiter::store::{
-    LeaseItem, MemoryStore, RedisClusterStore, RedisStore, Store, StoreError,
+    bucket_ttl_ms, Grant, LeaseItem, MemoryStore, RedisClusterStore, RedisStore, Store, StoreError,
 };
+
+/// Reads a store's bucket behind its back: the memory store's own view, or the hash and
+/// PTTL of the Redis node that holds it.
+trait Peek {
+    fn peek(&self, bucket_key: &str) -> Option<Peeked>;
+}
+
+impl Peek for MemoryStore {
+    fn peek(&self, bucket_key: &str) -> Option<Peeked> {
+        peek_memory(self, bucket_key, None)
+    }
+}
+
+impl Peek for RedisStore {
+    fn peek(&self, bucket_key: &str) -> Option<Peeked> {
+        peek_redis(shared_redis(), bucket_key)
+    }
+}
+
+impl Peek for RedisClusterStore {
+    fn peek(&self, bucket_key: &str) -> Option<Peeked> {
+        peek_cluster(shared_cluster(), bucket_key)
+    }
+}
+
+fn bucket(policy: &str, key: &str) -> String {
+    lease("-", policy, key, 1, 1).bucket_key()
+}
+
+/// What an answer took from its bucket (`Allotment::taken`).
+fn taken(g: &Grant) -> u64 {
+    Allotment {
+        granted: g.granted,
+        remaining: g.remaining,
+        retry_after_ms: g.retry_after_ms,
+        share_per_ms: g.share_per_ms,
+        period_ms: g.period_ms,
+    }
+    .taken()
+}
+
+/// Floats from the stores may differ from a hand computation in the last bits.
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs())
+}
 
 async fn one(store: &impl Store, item: LeaseItem) -> tollgate_limiter::store::Grant {
     let outcome = store.lease(&[item]).await.expect("store answers");
@@ -246,6 +292,244 @@ mod cases {
         assert_eq!(total, 100);
     }
 
+    /// A bucket that cannot give a named holder its `want` assigns it a share of the rate for
+    /// the period (taken at once: the bucket goes into debt); a holder-less ask on the same
+    /// bucket gets only what a lease can give.
+    pub async fn a_drained_bucket_assigns_a_share(s: &(impl Store + Peek)) {
+        let k = unique("assign");
+        let rate = limits("tenant").refill_per_ms();
+        assert_eq!(one(s, lease("d", "tenant", &k, 10, 10)).await.granted, 10);
+        let plain = one(s, lease("p", "tenant", &k, 1, 5)).await;
+        assert_eq!(
+            (plain.granted, plain.share_per_ms, plain.period_ms),
+            (0, 0.0, 0)
+        );
+        assert!(plain.retry_after_ms > 3_000_000, "{plain:?}");
+
+        let a = one(s, ask("a", "tenant", &k, (1, 5), "ia", 100.0)).await;
+        assert_eq!(a.granted, 0, "{a:?}");
+        // Demand 100/s against 1/h: the whole rate.
+        assert!(close(a.share_per_ms, rate), "{a:?}");
+        assert_eq!((a.period_ms, a.retry_after_ms), (PERIOD_MS, 0));
+        assert!(a.remaining < 0.0, "share x period taken at once: {a:?}");
+        let peeked = s.peek(&bucket("tenant", &k)).expect("bucket");
+        let h = peeked.holding("ia").expect("holding");
+        assert_eq!(h.share_per_ms, a.share_per_ms);
+        assert_eq!(h.ends_ms, peeked.state.updated_ms + PERIOD_MS);
+        assert_eq!(h.demand_per_ms, 0.1);
+        assert_eq!(peeked.state.tokens, a.remaining);
+        // Still holder-less: a denial, whatever the holdings.
+        let plain = one(s, lease("q", "tenant", &k, 1, 5)).await;
+        assert_eq!((plain.granted, plain.share_per_ms), (0, 0.0));
+    }
+
+    /// Shares follow reported demand: equal demand ends in equal shares, 3:1 in 3:1, once
+    /// each holder has renewed; the newcomer waits (share 0) until the first renews.
+    pub async fn shares_follow_demand(s: &impl Store) {
+        let rate = limits("tenant").refill_per_ms();
+        for (demand_a, demand_b) in [(100.0, 100.0), (300.0, 100.0)] {
+            let k = unique("demand");
+            assert_eq!(one(s, lease("d", "tenant", &k, 10, 10)).await.granted, 10);
+            let a = one(s, ask("a1", "tenant", &k, (1, 5), "ia", demand_a)).await;
+            assert!(close(a.share_per_ms, rate), "{a:?}");
+            let b = one(s, ask("b1", "tenant", &k, (1, 5), "ib", demand_b)).await;
+            assert!(
+                b.granted == 0 && b.share_per_ms == 0.0,
+                "the rate is held: {b:?}"
+            );
+            assert!(
+                b.retry_after_ms > 0 && b.retry_after_ms <= PERIOD_MS,
+                "ask again when a's holding ends: {b:?}"
+            );
+            let a = one(s, ask("a2", "tenant", &k, (1, 5), "ia", demand_a)).await;
+            let b = one(s, ask("b2", "tenant", &k, (1, 5), "ib", demand_b)).await;
+            let total = demand_a + demand_b;
+            assert!(close(a.share_per_ms, rate * demand_a / total), "{a:?}");
+            assert!(close(b.share_per_ms, rate * demand_b / total), "{b:?}");
+            assert!(
+                close(a.share_per_ms / b.share_per_ms, demand_a / demand_b),
+                "{a:?} {b:?}"
+            );
+            assert!(a.share_per_ms + b.share_per_ms <= rate * (1.0 + 1e-12));
+        }
+    }
+
+    /// However holders come and renew, the shares of live holdings never add up to more than
+    /// the rate.
+    pub async fn live_shares_never_exceed_the_rate(s: &(impl Store + Peek)) {
+        let k = unique("sum");
+        let rate = limits("slowish").refill_per_ms();
+        assert_eq!(one(s, lease("d", "slowish", &k, 5, 5)).await.granted, 5);
+        let demands = [0.5, 1.0, 2.0, 7.0, 0.25, 3.0];
+        let mut last = vec![0.0; demands.len()];
+        for round in 0..3 {
+            for (h, demand) in demands.iter().enumerate() {
+                let id = format!("{round}-{h}");
+                let g = one(
+                    s,
+                    ask(&id, "slowish", &k, (5, 5), &format!("h{h}"), *demand),
+                )
+                .await;
+                last[h] = g.share_per_ms;
+                let sum: f64 = last.iter().sum();
+                assert!(sum <= rate * (1.0 + 1e-9), "round {round}: {last:?}");
+            }
+        }
+        let peeked = s.peek(&bucket("slowish", &k)).expect("bucket");
+        let stored: f64 = peeked.holdings.iter().map(|h| h.share_per_ms).sum();
+        assert!(stored <= rate * (1.0 + 1e-9), "{peeked:?}");
+        assert_eq!(peeked.holdings.len(), demands.len());
+        // Total demand 13.75/s is above the rate of 3/s: by the last round it is spread.
+        assert!(last.iter().all(|&x| x > 0.0), "{last:?}");
+    }
+
+    /// A bucket keeps at most `MAX_HOLDERS` holdings: one more holder gets leases only.
+    pub async fn holders_beyond_the_bound_get_leases_only(s: &(impl Store + Peek)) {
+        let k = unique("bound");
+        assert_eq!(one(s, lease("d", "tenant", &k, 10, 10)).await.granted, 10);
+        for h in 0..MAX_HOLDERS {
+            let g = one(
+                s,
+                ask(
+                    &format!("i{h}"),
+                    "tenant",
+                    &k,
+                    (1, 5),
+                    &format!("h{h}"),
+                    1.0,
+                ),
+            )
+            .await;
+            assert_eq!(g.granted, 0, "{g:?}");
+        }
+        let key = bucket("tenant", &k);
+        assert_eq!(s.peek(&key).expect("bucket").holdings.len(), MAX_HOLDERS);
+        // Three tokens back: a lease is possible again, an assignment is not (no room).
+        assert_eq!(returned(s, "d", "tenant", &k, 3).await, 3);
+        let extra = one(s, ask("x", "tenant", &k, (1, 5), "extra", 100.0)).await;
+        assert!(extra.granted >= 1 && extra.granted < 5, "{extra:?}");
+        assert_eq!((extra.share_per_ms, extra.period_ms), (0.0, 0), "{extra:?}");
+        let peeked = s.peek(&key).expect("bucket");
+        assert_eq!(peeked.holdings.len(), MAX_HOLDERS);
+        assert!(peeked.holding("extra").is_none());
+        // A known holder still renews.
+        let known = one(s, ask("h0-again", "tenant", &k, (1, 5), "h0", 1.0)).await;
+        assert!(!known.replayed);
+        assert!(s.peek(&key).expect("bucket").holding("h0").is_some());
+    }
+
+    /// A replayed lease id answers the very same assignment and changes nothing.
+    pub async fn a_replayed_assignment_is_identical(s: &(impl Store + Peek)) {
+        let k = unique("replay-assign");
+        assert_eq!(one(s, lease("d", "tenant", &k, 10, 10)).await.granted, 10);
+        let first = one(s, ask("a", "tenant", &k, (1, 5), "ia", 50.0)).await;
+        assert!(first.share_per_ms > 0.0, "{first:?}");
+        let key = bucket("tenant", &k);
+        let before = s.peek(&key).expect("bucket");
+        let again = one(s, ask("a", "tenant", &k, (1, 5), "ia", 50.0)).await;
+        assert_eq!(
+            again,
+            Grant {
+                replayed: true,
+                ..first
+            }
+        );
+        let after = s.peek(&key).expect("bucket");
+        assert_eq!(
+            (after.state, &after.holdings),
+            (before.state, &before.holdings)
+        );
+    }
+
+    /// A return into a bucket in debt gives back at most what the lease took (grant plus the
+    /// whole tokens of its share), added to the debt: never first lifted to zero.
+    pub async fn returns_into_debt_add_to_it(s: &(impl Store + Peek)) {
+        let k = unique("ret-debt");
+        let l = limits("slowish");
+        assert_eq!(one(s, lease("d", "slowish", &k, 5, 5)).await.granted, 5);
+        let started = Instant::now();
+        let a = one(s, ask("a", "slowish", &k, (1, 5), "ia", 10.0)).await;
+        // The whole rate, 3/s, for 20 s: 60 tokens of debt.
+        assert!(close(a.share_per_ms, l.refill_per_ms()), "{a:?}");
+        assert!(a.remaining < -55.0, "{a:?}");
+        let took = taken(&a);
+        assert_eq!(took, a.granted + 60);
+        assert_eq!(returned(s, "a", "slowish", &k, 1_000).await, took);
+        assert_eq!(returned(s, "a", "slowish", &k, 1_000).await, 0);
+        let after = s.peek(&bucket("slowish", &k)).expect("bucket");
+        let elapsed = started.elapsed().as_millis() as f64 + 2.0;
+        let most = a.remaining + took as f64 + l.refill_per_ms() * elapsed;
+        assert!(
+            after.state.tokens >= a.remaining + took as f64 - 1e-9 && after.state.tokens <= most,
+            "debt {} + return {took} (+ refill) is at most {most}: {after:?}",
+            a.remaining
+        );
+        assert!(after.state.tokens < l.capacity() - 1.0, "{after:?}");
+    }
+
+    /// A bucket in debt is kept until it has refilled from it, and while its holdings run.
+    pub async fn debt_outlives_its_refill(s: &(impl Store + Peek)) {
+        let k = unique("ttl-debt");
+        let l = limits("slowish");
+        assert_eq!(one(s, lease("d", "slowish", &k, 5, 5)).await.granted, 5);
+        let written = Instant::now();
+        let a = one(s, ask("a", "slowish", &k, (1, 5), "ia", 10.0)).await;
+        assert!(a.remaining < -55.0, "{a:?}");
+        let peeked = s.peek(&bucket("slowish", &k)).expect("bucket");
+        let elapsed = written.elapsed().as_millis() as u64 + 2;
+        let now = peeked.state.updated_ms;
+        let expected = bucket_ttl_ms(&l, &peeked.state, &peeked.holdings, now);
+        // At least a full refill from the debt (about 21.7 s here), plus the margin.
+        let refill = assign::refill_from_ms(&l, &peeked.state);
+        assert!(refill > 21_000, "{refill}");
+        assert!(expected >= refill + 1_000, "{expected} {refill}");
+        assert!(
+            expected > l.full_refill_ms() + 10_000,
+            "beyond the debt-free TTL"
+        );
+        let ttl = peeked.ttl_ms.expect("a TTL");
+        assert!(
+            ttl <= expected + 2 && ttl + elapsed >= expected,
+            "TTL {ttl} ms, expected {expected} ms ({elapsed} ms ago)"
+        );
+    }
+
+    /// A group where one item gets nothing changes no bucket and no holding.
+    pub async fn a_failed_group_changes_nothing(s: &(impl Store + Peek)) {
+        let t = unique("grp-assign");
+        let route = format!("{t}:post");
+        assert_eq!(one(s, lease("d", "tenant", &t, 10, 10)).await.granted, 10);
+        assert_eq!(one(s, lease("r", "route", &route, 3, 3)).await.granted, 3);
+        // A small share (demand below the rate), so the rest of the rate is free.
+        let a = one(s, ask("a", "tenant", &t, (1, 5), "ia", 0.0001)).await;
+        assert!(a.share_per_ms > 0.0, "{a:?}");
+        let (tk, rk) = (bucket("tenant", &t), bucket("route", &route));
+        let (tenant_before, route_before) = (s.peek(&tk).expect("t"), s.peek(&rk).expect("r"));
+        let o = s
+            .lease(&[
+                ask("b", "tenant", &t, (1, 5), "ib", 0.0001),
+                lease("r2", "route", &route, 1, 1),
+            ])
+            .await
+            .expect("store answers");
+        for g in &o.grants {
+            assert_eq!(
+                (g.granted, g.share_per_ms, g.period_ms),
+                (0, 0.0, 0),
+                "{o:?}"
+            );
+        }
+        assert_eq!(o.grants[0].retry_after_ms, 0, "alone it got a share");
+        let (tenant_after, route_after) = (s.peek(&tk).expect("t"), s.peek(&rk).expect("r"));
+        assert_eq!(tenant_after.holdings, tenant_before.holdings);
+        assert!((tenant_after.state.tokens - tenant_before.state.tokens).abs() < 1e-3);
+        assert!((route_after.state.tokens - route_before.state.tokens).abs() < 1e-3);
+        assert!(route_after.holdings.is_empty());
+        // Alone, b gets its share.
+        let b = one(s, ask("b2", "tenant", &t, (1, 5), "ib", 0.0001)).await;
+        assert!(b.share_per_ms > 0.0, "{b:?}");
+    }
+
     /// Malformed calls are refused as errors, never as decisions.
     pub async fn store_rejects_nothing_valid(s: &impl Store) {
         s.ready().await.expect("ready");
@@ -260,7 +544,7 @@ macro_rules! contract {
         mod $store {
             use super::*;
 
-            async fn store() -> impl Store {
+            async fn store() -> impl Store + Peek {
                 $make
             }
 
@@ -312,6 +596,46 @@ macro_rules! contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn exact_under_contention() {
                 cases::exact_under_contention(Arc::new(store().await)).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_drained_bucket_assigns_a_share() {
+                cases::a_drained_bucket_assigns_a_share(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn shares_follow_demand() {
+                cases::shares_follow_demand(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn live_shares_never_exceed_the_rate() {
+                cases::live_shares_never_exceed_the_rate(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn holders_beyond_the_bound_get_leases_only() {
+                cases::holders_beyond_the_bound_get_leases_only(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_replayed_assignment_is_identical() {
+                cases::a_replayed_assignment_is_identical(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn returns_into_debt_add_to_it() {
+                cases::returns_into_debt_add_to_it(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn debt_outlives_its_refill() {
+                cases::debt_outlives_its_refill(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_failed_group_changes_nothing() {
+                cases::a_failed_group_changes_nothing(&store().await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -272,8 +272,15 @@ async fn bad_requests_are_refused_with_reasons() {
         {{"id":"k","policy":"tenant","key":"a b","min":1,"want":1}},
         {{"id":"z","policy":"tenant","key":"{key}","min":0,"want":1}},
         {{"id":"b","policy":"tenant","key":"{key}","min":11,"want":11}},
-        {{"id":"{long}","policy":"tenant","key":"{key}","min":1,"want":1}}]}}"#,
-        long = "x".repeat(129)
+        {{"id":"{long}","policy":"tenant","key":"{key}","min":1,"want":1}},
+        {{"id":"h1","policy":"tenant","key":"{key}","min":1,"want":1,"holder":""}},
+        {{"id":"h2","policy":"tenant","key":"{key}","min":1,"want":1,"holder":"{long_holder}"}},
+        {{"id":"h3","policy":"tenant","key":"{key}","min":1,"want":1,"holder":"i:1"}},
+        {{"id":"h4","policy":"tenant","key":"{key}","min":1,"want":1,"holder":"ünï"}},
+        {{"id":"d1","policy":"tenant","key":"{key}","min":1,"want":1,"holder":"i-1","demand_per_s":-0.5}},
+        {{"id":"d2","policy":"tenant","key":"{key}","min":1,"want":1,"demand_per_s":1000000001}}]}}"#,
+        long = "x".repeat(129),
+        long_holder = "h".repeat(65)
     );
     let (status, v) = post(addr, "/v1/leases", &body).await;
     assert_eq!(status, 200, "{v}");
@@ -285,7 +292,103 @@ async fn bad_requests_are_refused_with_reasons() {
         assert_eq!(item["error"], "INVALID_REQUEST", "{item}");
         assert!(item["reason"].is_string());
     }
+    for item in &l[7..11] {
+        assert!(
+            item["reason"].as_str().unwrap().contains("holder"),
+            "{item}"
+        );
+    }
+    for item in &l[11..] {
+        let reason = item["reason"].as_str().unwrap();
+        assert!(reason.contains("demand_per_s"), "{item}");
+    }
+    // Not a number at all: the batch does not parse.
+    let (status, v) = post(
+        addr,
+        "/v1/leases",
+        r#"{"leases":[{"id":"a","policy":"tenant","key":"k","min":1,"want":1,"demand_per_s":1e999}]}"#,
+    )
+    .await;
+    assert_eq!(
+        (status, v["error"].as_str()),
+        (400, Some("INVALID_REQUEST"))
+    );
     limiter.shutdown().await;
+}
+
+/// A named holder the bucket cannot serve gets a share of the rate for the period, answered
+/// as `share_per_s` and `period_ms`, its `expires_ms` covering the period; a second holder
+/// waits, then both renew into equal halves; the assignment metrics count it all.
+async fn holders_get_shares(store: StoreConfig) {
+    let mut c = config(store);
+    c.assignment_period = Duration::from_secs(30);
+    let limiter = start_with(c).await;
+    let addr = limiter.addr();
+    let key = unique("share");
+    let rate_per_s = limits("tenant").refill_per_ms() * 1_000.0;
+    let (_, v) = post(addr, "/v1/leases", &lease_body("d", "tenant", &key, 10, 10)).await;
+    assert_eq!(granted(&v), 10);
+
+    let (_, v) = post(addr, "/v1/leases", &lease_body("p", "tenant", &key, 1, 5)).await;
+    let p = &v["leases"][0];
+    assert_eq!(
+        (p["granted"].as_u64(), p["expires_ms"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert!(
+        p.get("share_per_s").is_none() && p.get("period_ms").is_none(),
+        "{p}"
+    );
+
+    let body = |id: &str, holder: &str| holder_body(id, "tenant", &key, (1, 5), holder, 50.0);
+    let (status, v) = post(addr, "/v1/leases", &body("a1", "i-a")).await;
+    assert_eq!(status, 200, "{v}");
+    let a = &v["leases"][0];
+    assert_eq!(a["granted"], 0, "{a}");
+    let share = a["share_per_s"].as_f64().unwrap();
+    assert!((share - rate_per_s).abs() <= rate_per_s * 1e-9, "{a}");
+    assert_eq!(a["period_ms"], 30_000);
+    assert_eq!(a["expires_ms"], 32_000, "lease TTL + period");
+    assert_eq!(a["retry_after_ms"], 0);
+    assert!(a["remaining"].as_f64().unwrap() < 0.0, "{a}");
+
+    let (_, v) = post(addr, "/v1/leases", &body("b1", "i-b")).await;
+    let b = &v["leases"][0];
+    assert!(b.get("share_per_s").is_none(), "the rate is held: {b}");
+    assert!(b["retry_after_ms"].as_u64().unwrap() <= 30_000, "{b}");
+    let (_, v) = post(addr, "/v1/leases", &body("a2", "i-a")).await;
+    let a = v["leases"][0]["share_per_s"].as_f64().unwrap();
+    let (_, v) = post(addr, "/v1/leases", &body("b2", "i-b")).await;
+    let b = v["leases"][0]["share_per_s"].as_f64().unwrap();
+    assert!((a - rate_per_s / 2.0).abs() <= rate_per_s * 1e-9, "{a} {b}");
+    assert!((a - b).abs() <= rate_per_s * 1e-9, "{a} {b}");
+    // A retry of the same id answers the same assignment.
+    let (_, first) = post(addr, "/v1/leases", &body("b2", "i-b")).await;
+    assert_eq!(first["leases"], v["leases"]);
+
+    let (_, text) = get(addr, "/metrics").await;
+    for needle in [
+        r#"tollgate_limiter_assignments_total{outcome="ASSIGNED",policy="tenant"} 3"#,
+        r#"tollgate_limiter_assignments_total{outcome="WAITING",policy="tenant"} 1"#,
+        r#"tollgate_limiter_decisions_total{outcome="ASSIGNED",policy="tenant"} 3"#,
+        r#"tollgate_limiter_decisions_total{outcome="OVER_LIMIT",policy="tenant"} 2"#,
+        r#"tollgate_limiter_decisions_total{outcome="REPLAYED",policy="tenant"} 1"#,
+        r#"tollgate_limiter_tokens_assigned_total{policy="tenant"}"#,
+    ] {
+        assert!(text.contains(needle), "missing {needle} in\n{text}");
+    }
+    assert!(!text.contains("i-a"), "holders never appear in metrics");
+    limiter.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holders_get_shares_memory() {
+    holders_get_shares(StoreConfig::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holders_get_shares_redis() {
+    holders_get_shares(StoreConfig::Redis(shared_redis().url())).await;
 }
 
 /// `/healthz`, `/readyz` (store reachable, functions loaded) and `/metrics`.
@@ -469,8 +572,8 @@ async fn an_unreachable_store_is_unavailable_never_a_decision() {
     limiter.shutdown().await;
 }
 
-/// The binary: flags and env vars, listening, SIGTERM → clean exit; a bad policy file →
-/// refuses to start, saying why.
+/// The binary: flags and env vars, listening, SIGTERM → clean exit; a bad policy file or an
+/// assignment period as long as the dedup TTL → refuses to start, saying why.
 #[test]
 fn the_binary_starts_serves_and_stops_on_sigterm() {
     let bin = env!("CARGO_BIN_EXE_tollgate-limiter");
@@ -485,7 +588,8 @@ fn the_binary_starts_serves_and_stops_on_sigterm() {
         "json",
     ])
     .env("TOLLGATE_POLICIES", &policies)
-    .env("TOLLGATE_STORE_TIMEOUT", "30ms");
+    .env("TOLLGATE_STORE_TIMEOUT", "30ms")
+    .env("TOLLGATE_ASSIGNMENT_PERIOD", "500ms");
     let mut child = tollgate_e2e::process::ChildProcess::spawn("limiter", cmd, &dir).unwrap();
     let ready =
         tollgate_e2e::process::wait_for("the limiter binary", Duration::from_secs(10), || {
@@ -518,4 +622,15 @@ fn the_binary_starts_serves_and_stops_on_sigterm() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("invalid policy file"), "{err}");
     assert!(err.contains("policies[0]"), "{err}");
+
+    // An assignment must end before its lease id is forgotten.
+    let out = std::process::Command::new(bin)
+        .args(["--listen", "127.0.0.1:0", "--dedup-ttl", "10s"])
+        .env("TOLLGATE_POLICIES", &policies)
+        .env("TOLLGATE_ASSIGNMENT_PERIOD", "10s")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--assignment-period"), "{err}");
 }

@@ -16,10 +16,12 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use serde_json::Value;
-use tollgate_core::bucket::Limits;
+use tollgate_core::assign::Holding;
+use tollgate_core::bucket::{BucketState, Limits};
 use tollgate_core::policy::Policies;
+use tollgate_e2e::redis::Resp;
 use tollgate_e2e::{RedisCluster, RedisServer, RequestSpec};
-use tollgate_limiter::store::{LeaseItem, ReturnItem, StoreSettings};
+use tollgate_limiter::store::{LeaseItem, MemoryStore, ReturnItem, StoreSettings};
 use tollgate_limiter::{serve, Running, ServerConfig, StoreConfig};
 
 /// Policies every test uses. "Negligible refill" policies refill 1 unit per hour, so a test
@@ -132,6 +134,96 @@ pub fn shared_redis() -> &'static RedisServer {
 pub fn shared_cluster() -> &'static RedisCluster {
     static C: OnceLock<RedisCluster> = OnceLock::new();
     C.get_or_init(|| RedisCluster::start(3, 1))
+}
+
+/// A bucket as a store holds it, read behind the store's back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Peeked {
+    /// As of its last write (not refilled).
+    pub state: BucketState,
+    /// Sorted by holder id.
+    pub holdings: Vec<Holding>,
+    /// Milliseconds until the state expires (`None`: never).
+    pub ttl_ms: Option<u64>,
+}
+
+impl Peeked {
+    /// Only the holdings still live at `now_ms`.
+    pub fn live_at(mut self, now_ms: u64) -> Self {
+        self.holdings.retain(|h| h.ends_ms > now_ms);
+        self
+    }
+
+    pub fn holding(&self, holder: &str) -> Option<&Holding> {
+        self.holdings.iter().find(|h| h.holder == holder)
+    }
+}
+
+/// The memory store's bucket `bucket_key` as of `now_ms` (`None`: the store's clock).
+pub fn peek_memory(store: &MemoryStore, bucket_key: &str, now_ms: Option<u64>) -> Option<Peeked> {
+    let view = match now_ms {
+        Some(now) => store.bucket_view_at(bucket_key, now),
+        None => store.bucket_view(bucket_key),
+    }?;
+    let mut holdings = view.holdings;
+    holdings.sort_by(|a, b| a.holder.cmp(&b.holder));
+    Some(Peeked {
+        state: view.state,
+        holdings,
+        ttl_ms: view.ttl_ms,
+    })
+}
+
+/// A bucket hash of the Redis Function library (`t`, `u`, `h:<holder>` = `share|ends|demand`)
+/// and its PTTL, as `server` holds it (every holding field, ended or not).
+pub fn peek_redis(server: &RedisServer, bucket_key: &str) -> Option<Peeked> {
+    let fields = server.cmd(&["HGETALL", bucket_key]);
+    let fields = fields
+        .as_array()
+        .unwrap_or_else(|| panic!("HGETALL: {fields:?}"));
+    if fields.is_empty() {
+        return None;
+    }
+    let text = |r: &Resp| r.as_str().unwrap_or_else(|| panic!("{r:?}")).to_owned();
+    let mut tokens = None;
+    let mut updated = None;
+    let mut holdings = Vec::new();
+    for pair in fields.chunks(2) {
+        let (field, value) = (text(&pair[0]), text(&pair[1]));
+        match field.as_str() {
+            "t" => tokens = Some(value.parse::<f64>().unwrap()),
+            "u" => updated = Some(value.parse::<u64>().unwrap()),
+            _ => {
+                let holder = field
+                    .strip_prefix("h:")
+                    .unwrap_or_else(|| panic!("unexpected field {field} in {bucket_key}"));
+                let parts: Vec<&str> = value.split('|').collect();
+                assert_eq!(parts.len(), 3, "{field} = {value}");
+                holdings.push(Holding {
+                    holder: holder.to_owned(),
+                    share_per_ms: parts[0].parse().unwrap(),
+                    ends_ms: parts[1].parse().unwrap(),
+                    demand_per_ms: parts[2].parse().unwrap(),
+                });
+            }
+        }
+    }
+    holdings.sort_by(|a, b| a.holder.cmp(&b.holder));
+    let ttl = server.cmd(&["PTTL", bucket_key]).as_int().expect("PTTL");
+    Some(Peeked {
+        state: BucketState {
+            tokens: tokens.expect("t"),
+            updated_ms: updated.expect("u"),
+        },
+        holdings,
+        ttl_ms: u64::try_from(ttl).ok(),
+    })
+}
+
+/// [`peek_redis`] on the cluster primary owning `bucket_key`.
+pub fn peek_cluster(cluster: &RedisCluster, bucket_key: &str) -> Option<Peeked> {
+    let owner = cluster.primary_for_key(bucket_key);
+    peek_redis(cluster.node(owner.port), bucket_key)
 }
 
 /// Writes a policy document to a fresh file.
