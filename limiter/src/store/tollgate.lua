@@ -24,11 +24,12 @@
 -- Work per call is bounded by the number of keys passed and MAX_HOLDERS per bucket (no
 -- scans, no unbounded structures).
 -- The library name carries the contract version: a changed contract is a new library, so
--- limiters of both versions can run against one Redis during a rollout. v2 changed the
--- bucket itself: its content may be negative (debt of running assignments), which a
--- `tollgate_v1` limiter clamps to zero, creating tokens out of debt; so a v1 limiter must
--- not run against buckets a v2 limiter has put in debt. A v2 limiter reads v1 lease records
--- (no `n`: `g` is the grant) and v1 buckets (no holdings) as they are.
+-- the functions of both versions can be loaded in one Redis side by side. v2 changed the
+-- bucket itself: its content may be negative (debt of running assignments), which
+-- `tollgate_v1` clamps to zero, creating tokens out of debt; so a v1 limiter must not run
+-- against buckets a v2 limiter has put in debt (replace every limiter of a store). A v2
+-- limiter reads v1 lease records (no `n`: `g` is the grant) and v1 buckets (no holdings) as
+-- they are.
 
 local EPSILON = 1e-9
 local U64_MAX_F = 18446744073709551616.0 -- u64::MAX as f64 (2^64)
