@@ -277,7 +277,6 @@ fn load(a: &Args, seconds: f64, seed: u64) -> Load {
         distribution: a.distribution.clone(),
         seed,
         prefix: "tenant-".into(),
-        delay_ms: None,
     }
 }
 

@@ -21,8 +21,6 @@ pub struct Load {
     pub seed: u64,
     /// Tenant name prefix (fresh prefix: fresh buckets).
     pub prefix: String,
-    /// Pause after each response per connection (paced load); `None`: closed loop.
-    pub delay_ms: Option<u64>,
 }
 
 /// What one wrk run measured.
@@ -74,10 +72,6 @@ pub fn run(port: u16, load: &Load) -> Result<Measured, String> {
         .arg(&load.distribution)
         .arg(load.seed.to_string())
         .arg(&load.prefix);
-    match load.delay_ms {
-        Some(ms) => cmd.env("TOLLGATE_BENCH_DELAY_MS", ms.to_string()),
-        None => cmd.env_remove("TOLLGATE_BENCH_DELAY_MS"),
-    };
     let out = output_with_timeout(cmd, load.duration + Duration::from_secs(30))
         .map_err(|e| format!("wrk: {e}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);

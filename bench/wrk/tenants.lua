@@ -1,19 +1,14 @@
 -- wrk script for `just bench`: GET /items/<n> with an x-tenant-id header, tenants spread
 -- uniformly or Zipf-like, requests prepared once per thread (so wrk spends no Lua time per
--- request), optional pacing, and one JSON line of results for the driver to parse.
+-- request), wrk's plain closed loop, and one JSON line of results for the driver to parse.
 --
---   [TOLLGATE_BENCH_DELAY_MS=N] wrk ... -s bench/wrk/tenants.lua http://127.0.0.1:PORT -- \
---       TENANTS DIST SEED PREFIX
+--   wrk ... -s bench/wrk/tenants.lua http://127.0.0.1:PORT -- TENANTS DIST SEED PREFIX
 --
 -- TENANTS: number of tenants (default 100); DIST: "zipf" (weight 1/rank, s = 1) or "uniform";
 -- SEED: per-run seed; PREFIX: tenant name prefix (a fresh one gives fresh buckets).
--- TOLLGATE_BENCH_DELAY_MS: pause after each response on a connection (paced load). Unset, the
--- script has no delay() and wrk runs its plain closed loop (wrk decides when it loads the
--- script, before init() sees any argument, hence an environment variable).
 
 local prepared = {}
 local next_index = 1
-local pause_ms = tonumber(os.getenv("TOLLGATE_BENCH_DELAY_MS") or "") or 0
 local PREPARED = 8192
 
 -- xorshift32: deterministic per thread, independent of LuaJIT's math.random.
@@ -67,12 +62,6 @@ function request()
   next_index = next_index + 1
   if next_index > PREPARED then next_index = 1 end
   return r
-end
-
-if pause_ms > 0 then
-  function delay()
-    return pause_ms
-  end
 end
 
 function done(summary, latency, requests)
