@@ -517,61 +517,64 @@ impl Report {
             tenants = s.tenants,
             dist = s.distribution,
         ));
-        md.push_str(
-            "| # | scenario | req/s | × S1 | × S3 | p50 ms | p99 ms | Envoy CPU µs/req | limiter + Redis CPU µs/req | Redis / 1k req (FCALL · all) | Envoy peak RSS | limiter peak RSS |\n\
-             |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-        );
-        for sc in &self.scenarios {
-            let num = |v: Option<f64>, digits: usize| {
-                v.map_or("–".to_string(), |v| format!("{v:.digits$}"))
-            };
-            let ratio = |b: &str| {
-                if self.scenario(b).is_some() {
-                    num(self.rps_ratio(&sc.id, b), 2)
-                } else {
-                    "–".into()
-                }
-            };
-            let redis = sc
-                .redis_per_1k()
-                .map_or("–".to_string(), |(l, a)| format!("{l:.1} · {a:.1}"));
-            let (cpu, backend) = sc.cpu_us_per_request();
-            md.push_str(&format!(
-                "| {id} | {title} | {rps} | {r1} | {r3} | {p50} | {p99} | {cpu} | {backend} | {redis} | {envoy} | {limiter} |\n",
-                id = sc.id,
-                title = sc.title,
-                rps = num(sc.rps(), 0),
-                r1 = ratio(if sc.id.ends_with('u') { "1u" } else { "1" }),
-                r3 = if sc.id.ends_with('u') { "–".into() } else { ratio("3") },
-                p50 = num(sc.p50_ms(), 2),
-                p99 = num(sc.p99_ms(), 2),
-                cpu = num(cpu, 1),
-                backend = num(backend, 1),
-                envoy = mib(sc.envoy_peak_rss),
-                limiter = mib(sc.limiter_peak_rss),
-            ));
-        }
-        let problems: Vec<String> = self
-            .scenarios
-            .iter()
-            .filter(|sc| sc.non_2xx() > 0 || sc.socket_errors() > 0)
-            .map(|sc| {
-                format!(
-                    "S{}: {} responses ≥ 400, {} socket errors",
-                    sc.id,
-                    sc.non_2xx(),
-                    sc.socket_errors()
-                )
-            })
-            .collect();
-        md.push('\n');
-        if problems.is_empty() {
-            md.push_str("Every response was a 200 (no limit denied, no socket error).\n");
-        } else {
-            md.push_str(&format!(
-                "Responses other than 200 (the policies never deny on rate): {}.\n",
-                problems.join("; ")
-            ));
+        // Only scenario 7 ran (`--only 7`): no table of the others.
+        if !self.scenarios.is_empty() {
+            md.push_str(
+                "| # | scenario | req/s | × S1 | × S3 | p50 ms | p99 ms | Envoy CPU µs/req | limiter + Redis CPU µs/req | Redis / 1k req (FCALL · all) | Envoy peak RSS | limiter peak RSS |\n\
+                 |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            );
+            for sc in &self.scenarios {
+                let num = |v: Option<f64>, digits: usize| {
+                    v.map_or("–".to_string(), |v| format!("{v:.digits$}"))
+                };
+                let ratio = |b: &str| {
+                    if self.scenario(b).is_some() {
+                        num(self.rps_ratio(&sc.id, b), 2)
+                    } else {
+                        "–".into()
+                    }
+                };
+                let redis = sc
+                    .redis_per_1k()
+                    .map_or("–".to_string(), |(l, a)| format!("{l:.1} · {a:.1}"));
+                let (cpu, backend) = sc.cpu_us_per_request();
+                md.push_str(&format!(
+                    "| {id} | {title} | {rps} | {r1} | {r3} | {p50} | {p99} | {cpu} | {backend} | {redis} | {envoy} | {limiter} |\n",
+                    id = sc.id,
+                    title = sc.title,
+                    rps = num(sc.rps(), 0),
+                    r1 = ratio(if sc.id.ends_with('u') { "1u" } else { "1" }),
+                    r3 = if sc.id.ends_with('u') { "–".into() } else { ratio("3") },
+                    p50 = num(sc.p50_ms(), 2),
+                    p99 = num(sc.p99_ms(), 2),
+                    cpu = num(cpu, 1),
+                    backend = num(backend, 1),
+                    envoy = mib(sc.envoy_peak_rss),
+                    limiter = mib(sc.limiter_peak_rss),
+                ));
+            }
+            let problems: Vec<String> = self
+                .scenarios
+                .iter()
+                .filter(|sc| sc.non_2xx() > 0 || sc.socket_errors() > 0)
+                .map(|sc| {
+                    format!(
+                        "S{}: {} responses ≥ 400, {} socket errors",
+                        sc.id,
+                        sc.non_2xx(),
+                        sc.socket_errors()
+                    )
+                })
+                .collect();
+            md.push('\n');
+            if problems.is_empty() {
+                md.push_str("Every response was a 200 (no limit denied, no socket error).\n");
+            } else {
+                md.push_str(&format!(
+                    "Responses other than 200 (the policies never deny on rate): {}.\n",
+                    problems.join("; ")
+                ));
+            }
         }
         md.push('\n');
         for sc in &self.scenarios {
@@ -998,6 +1001,10 @@ mod tests {
         let md = report.markdown();
         assert!(md.contains("## Scenario 7: over the limit"), "{md}");
         assert!(md.contains("| 1 | 10× 3:1 |"), "{md}");
+        assert!(
+            !md.contains("| # | scenario"),
+            "no table without scenarios 1–6: {md}"
+        );
         let json = report.json();
         assert_eq!(json["over_limit"].as_array().map(Vec::len), Some(4));
         assert_eq!(
