@@ -27,7 +27,7 @@
 //! make room for it. A holding ends with its period, so an instance whose demand stops frees
 //! its share within one period. Work is bounded by [`MAX_HOLDERS`] per bucket.
 //!
-//! The Redis Function (`tollgate_v1_lease`) mirrors [`allot`] line by line; the limiter's
+//! The Redis Function (`tollgate_v2_lease`) mirrors [`allot`] line by line; the limiter's
 //! property test replays random calls on both and demands identical answers.
 
 use crate::bucket::{BucketState, Limits};
@@ -203,7 +203,14 @@ pub fn allot(
         );
     }
 
-    // An assignment: a share of the rate by demand, within what other holders leave free.
+    // An assignment. The bucket cannot give what the demand asks, so its whole content goes
+    // out now (fill scaling keeps leases small below the limit; over it, what stayed in the
+    // bucket while shares run would go unused)...
+    if available >= min as f64 {
+        granted = want.min(available as u64);
+        bucket.tokens = (tokens - granted as f64).max(0.0);
+    }
+    // ...and a share of the rate by demand, within what other holders leave free.
     let mut others_share = 0.0;
     let mut total_demand = ask.demand_per_ms;
     let mut first_end = u64::MAX;
@@ -371,8 +378,10 @@ mod tests {
             tokens: 2.0,
             updated_ms: 600,
         });
-        let (_, a) = allot(&l, low, &mut h, 600, ask("a", 1, 15, 20.0), TERMS);
-        assert_eq!(a.granted, 1);
+        let (s, a) = allot(&l, low, &mut h, 600, ask("a", 1, 15, 20.0), TERMS);
+        // Over the limit the bucket's whole content goes out, plus the share.
+        assert_eq!(a.granted, 2);
+        assert!((s.tokens + 20.0).abs() < 1e-9);
         assert!((a.share_per_ms - 0.02).abs() < 1e-12);
         assert_eq!(h.len(), 1);
         assert_eq!(h[0].holder, "a");

@@ -63,7 +63,7 @@ pub struct LeaseRequest {
     /// tenant-wide and a route limit of one tenant are decided together even on a cluster.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<String>,
-    /// The asking instance (stable for its lifetime, `[0-9a-f-]`, at most
+    /// The asking instance (stable for its lifetime, `[0-9A-Za-z_-]`, at most
     /// [`crate::assign::MAX_HOLDER_BYTES`]): only a named holder can receive an assignment.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder: Option<String>,

@@ -181,7 +181,17 @@ local function allot(cap, rate, s, now, min, want, holder, demand, period, lease
     return granted, retry, 0, 0
   end
 
-  -- An assignment: a share of the rate by demand, within what other holders leave free.
+  -- An assignment. The bucket cannot give what the demand asks, so its whole content goes
+  -- out now (fill scaling keeps leases small below the limit; over it, what stayed in the
+  -- bucket while shares run would go unused)...
+  if available >= min then
+    granted = math.min(want, available)
+    s.tokens = tokens - granted
+    if s.tokens < 0 then
+      s.tokens = 0
+    end
+  end
+  -- ...and a share of the rate by demand, within what other holders leave free.
   local others_share = 0
   local total_demand = demand
   local first_end = nil
