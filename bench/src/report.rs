@@ -661,7 +661,7 @@ impl Report {
                  of the rate (assignments), {retries} lease requests were sent again after no answer.\n"
             ));
         }
-        md.push_str("\n## Targets (issue 5)\n\n| target | measured | |\n|---|---:|---|\n");
+        md.push_str("\n## Targets\n\n| target | measured | |\n|---|---:|---|\n");
         for (what, measured, met) in self.targets() {
             let verdict = match met {
                 Some(true) => "met",

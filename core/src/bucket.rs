@@ -235,7 +235,7 @@ mod tests {
     use super::*;
 
     fn limits() -> Limits {
-        // 100 units/s, burst 20: the seed's payments policy.
+        // 100 units/s, burst 20: the payments policy of policies/payments.json.
         Limits::new(100, 1_000, 20).unwrap()
     }
 

@@ -1,5 +1,5 @@
 #![allow(clippy::unwrap_used)]
-//! Property tests of the bucket invariants the seed essay asks for, over random operation
+//! Property tests of the token bucket's invariants, over random operation
 //! sequences with clocks that jump forwards and backwards.
 
 use proptest::prelude::*;
