@@ -21,9 +21,38 @@ pub fn workspace_root() -> PathBuf {
         .unwrap_or_else(|| manifest.to_path_buf())
 }
 
+/// Cargo's target directory: `$CARGO_TARGET_DIR` (relative to the workspace), else
 /// `<workspace>/target`.
 pub fn target_dir() -> PathBuf {
-    workspace_root().join("target")
+    match env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => workspace_root().join(dir),
+        None => workspace_root().join("target"),
+    }
+}
+
+/// Builds `args` with cargo (once per test process and argument list), so a test never runs a
+/// binary older than the sources: an up-to-date build costs cargo's check, a stale one is
+/// rebuilt. Panics with cargo's output when the build fails.
+pub fn cargo_build(args: &[&str]) {
+    static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let key = args.join(" ");
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if built.contains(&key) {
+        return;
+    }
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let output = std::process::Command::new(cargo)
+        .arg("build")
+        .args(args)
+        .current_dir(workspace_root())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run `cargo build {key}`: {e}"));
+    assert!(
+        output.status.success(),
+        "`cargo build {key}` failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    built.push(key);
 }
 
 /// `<workspace>/target/e2e-logs`, where every child process writes its logs.
@@ -62,11 +91,13 @@ pub fn envoy_bin() -> PathBuf {
     .clone()
 }
 
-/// The filter module: `$TOLLGATE_WASM`, else `<root>/target/wasm32-wasip1/release/tollgate.wasm`.
+/// The filter module: `$TOLLGATE_WASM`, else the workspace's release build for wasm32-wasip1,
+/// built first if it is missing or older than the sources.
 pub fn wasm_path() -> PathBuf {
     let p = env::var_os("TOLLGATE_WASM")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
+            cargo_build(&["--release", "--target", "wasm32-wasip1", "-p", "tollgate"]);
             target_dir()
                 .join("wasm32-wasip1")
                 .join("release")

@@ -12,20 +12,15 @@ use crate::paths;
 use crate::ports::free_port;
 use crate::process::{self, ChildProcess};
 
-/// The `tollgate-limiter` binary: `TOLLGATE_LIMITER_BIN`, else `target/{release,debug}`
-/// (whichever is newer; `just test` builds it).
+/// The `tollgate-limiter` binary: `TOLLGATE_LIMITER_BIN`, else the workspace's debug build,
+/// built first if it is missing or older than the sources (never a stale binary picked by
+/// its timestamp).
 pub fn limiter_bin() -> PathBuf {
     if let Some(bin) = std::env::var_os("TOLLGATE_LIMITER_BIN") {
         return PathBuf::from(bin);
     }
-    let candidates =
-        ["debug", "release"].map(|p| paths::target_dir().join(p).join("tollgate-limiter"));
-    candidates
-        .iter()
-        .filter(|p| p.exists())
-        .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
-        .cloned()
-        .unwrap_or_else(|| panic!("no tollgate-limiter binary in target/: build it with `cargo build -p tollgate-limiter`"))
+    paths::cargo_build(&["-p", "tollgate-limiter"]);
+    paths::target_dir().join("debug").join("tollgate-limiter")
 }
 
 /// Where the limiter keeps its state.

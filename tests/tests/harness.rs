@@ -1,3 +1,4 @@
+#![cfg(feature = "e2e")]
 //! Smoke tests for the e2e harness itself: each helper does what it promises against the
 //! real programs (Envoy, redis-server), so failures in feature tests are about tollgate.
 

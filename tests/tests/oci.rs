@@ -1,3 +1,4 @@
+#![cfg(feature = "e2e")]
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
