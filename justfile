@@ -66,7 +66,7 @@ check-policies *files="policies/*.json": build-limiter
 # Formatting and lints (native and wasm32; unwrap/expect/panic denied outside tests).
 lint:
     cargo fmt --all -- --check
-    cargo clippy --workspace --all-targets -- -D warnings
+    cargo clippy --workspace --all-targets --features tollgate-e2e/e2e -- -D warnings
     cargo clippy -p tollgate -p tollgate-core --target wasm32-wasip1 -- -D warnings
 
 # Every test: lint, unit + property + end-to-end (real Envoy, real Redis), core on wasm32.
