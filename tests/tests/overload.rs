@@ -363,3 +363,56 @@ async fn one_slow_answer_is_retried_and_sends_no_run_of_failure_mode_answers() {
     );
     assert_eq!(counter(&envoy, "lease_unavailable"), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_demand_stops_leaves_its_share_to_the_other() {
+    // Both instances over the limit for 3 s, then only B for 4 s: from one period (1 s) after
+    // A stopped, B admits at the whole rate.
+    let (rate, burst) = (50u64, 15u64);
+    let redis = RedisServer::start();
+    let policy = policy(rate, "1s", burst, "2s");
+    let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    let upstream = Upstream::start();
+    let (_a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    let (_b, port_b) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    let warm = Duration::from_secs(60);
+    let began = Instant::now();
+    let ((ta, tb), _) = paced((port_a, port_b), (6, 6), 3, "handover", warm, || {}).await;
+    assert!(ta.admitted > 0 && tb.admitted > 0);
+    // B alone.
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
+    let (mut late, mut alone) = (0u64, 0u64);
+    let mut rounds = Vec::new();
+    for round in 0..(4_000 / TICK_MS) as usize {
+        tick.tick().await;
+        let counted = start.elapsed() >= Duration::from_millis(1_200);
+        rounds.push(tokio::spawn(async move {
+            let results = burst_detailed(port_b, 6, 6, Duration::from_secs(5), |i| {
+                item("handover", 1_000_000 + round * 100 + i)
+            })
+            .await;
+            let admitted = results
+                .iter()
+                .filter(|r| matches!(&r.response, Ok(resp) if resp.status == 200))
+                .count() as u64;
+            (counted, admitted)
+        }));
+    }
+    for r in rounds {
+        let (counted, admitted) = r.await.unwrap();
+        alone += admitted;
+        if counted {
+            late += admitted;
+        }
+    }
+    // The whole run stays within burst + rate × t (A's unspent tokens come back to the
+    // bucket when its lease expires, so B's last seconds may run a little above the rate).
+    let total = ta.admitted + tb.admitted + alone;
+    let bound = burst as f64 + rate as f64 * began.elapsed().as_secs_f64();
+    assert!(total as f64 <= bound, "overshoot: {total} > {bound:.0}");
+    let span = start.elapsed().as_secs_f64() - 1.2;
+    let per_s = late as f64 / span;
+    println!("after A stopped: B admitted {per_s:.1}/s (rate {rate}/s)");
+    assert!(per_s >= 0.9 * rate as f64, "B admits {per_s:.1}/s");
+}
