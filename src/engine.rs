@@ -164,7 +164,10 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// The table is split into one region per policy, so no policy's keys can take the slots
+    /// of another.
     pub fn new(policies: Policies, table: SlotTable) -> Self {
+        let table = table.partitioned(policies.policies.iter().map(|p| p.name.as_str()));
         Self { policies, table }
     }
 

@@ -1,32 +1,67 @@
 //! The table of per-key state: a fixed number of slots in proxy-wasm shared data, created up
 //! front, so shared-data memory is bounded by configuration whatever the key cardinality.
 //!
-//! Slots come in groups of [`GROUP_SLOTS`], one shared-data value per group. A key hashes (keyed
-//! by a per-process salt, so clients cannot aim at each other's slots) to one group and lives in
-//! the slot of that group holding its id; a new key takes an empty slot, else the slot whose
-//! record has been idle longest (an idle record equals a fresh one, so eviction loses nothing).
-//! When every slot of the group holds a live record the table is full and the caller applies the
-//! policy's failure mode; another key's slot is never shared. Keeping all of a key's candidate
-//! slots under one CAS stamp means two workers inserting the same new key at once cannot put it
-//! in two places: one of them loses the CAS and finds the other's record.
+//! **Layout.** Slots come in groups of [`GROUP_SLOTS`], one shared-data value (one CAS stamp)
+//! per group. [`SlotTable::partitioned`] splits the groups into equal, disjoint regions, one per
+//! policy (the engine passes its policy names); a record's id is `<policy>:<key>` and the record
+//! lives only in its policy's region, so one policy's keys can never take, evict or fill the
+//! slots of another policy, whatever their number. Ids of no region (every id, in a table
+//! without regions) use the whole table.
 //!
-//! Updates are compare-and-swap per group with a bounded number of attempts. Several records
-//! (several policies on one request) change all-or-nothing in one [`SlotTable::transact`]: all
-//! are read and decided first, an aborted decision writes nothing, and a lost race while writing
-//! refunds what was already written before trying again.
+//! **Placement.** A key has [`PROBE_GROUPS`] distinct candidate groups in its region, chosen by a
+//! hash keyed by a per-process salt (so clients cannot aim at each other's slots), always probed
+//! in the same order, and it lives in one slot of one of them. A lookup reads the candidates in
+//! order and stops at the group holding the id. A new key goes to the first candidate with at
+//! least two free slots, else to the candidate with the most; a slot is free when it is empty or
+//! its record is evictable (`evictable_at_ms` has passed: an idle record equals a fresh one, so
+//! eviction loses nothing). In that group it takes an empty slot, else the one idle longest. A
+//! live record is never evicted: when every slot of every candidate is live, the table is full
+//! for that key and the caller applies the policy's failure mode. Choosing among four groups
+//! instead of hashing to one keeps a region's groups evenly filled: with one group, a key was
+//! refused as soon as four live keys shared its group (0.5 % of new keys at 17 % occupancy);
+//! with four candidates, none in 10^6 at 50 % and 6 in 10^6 at 60 % (the test
+//! `fallback_rate_by_occupancy` measures it). Preferring the first candidate while it has room
+//! keeps most lookups at one read.
+//!
+//! **A key is never created twice.** An insert reads every candidate of the key and then
+//! CAS-writes every candidate, each with the stamp it read (a candidate without change is
+//! written back unchanged), the group receiving the key last; a mismatch anywhere sends the
+//! transaction back to fresh reads, and before the last write nothing of the key is visible.
+//! Suppose workers A and B both insert key K, A into group `a` and B into `b`. A CAS write
+//! with the stamp read at time `r` succeeds only if nothing was written to the group since `r`.
+//! If `a == b`, the second writer read after the first wrote, so it saw K and did not insert.
+//! Else on `b`: A did not see K there, so B's write of `b` came after A's read, and A's write of
+//! `b` then must precede B's read of `b`. Likewise on `a`, B's write of `a` precedes A's read of
+//! `a`. Every worker finishes its reads before it writes, so B's write of `a` < A's read of `a`
+//! < A's write of `b` < B's read of `b` < B's write of `a`: a contradiction. When one
+//! transaction inserts several keys whose candidates overlap (several keys of one region; the
+//! engine's transactions hold one key per policy), placement skips any group whose choice would
+//! make a receiving group precede another candidate of a key it receives.
+//!
+//! **Transactions.** Several records (several policies on one request) change all-or-nothing
+//! in one [`SlotTable::transact`]: all are read and decided first, an aborted decision writes
+//! nothing, and a lost race while writing refunds what was already written before trying
+//! again, within [`MAX_ATTEMPTS`].
+//!
+//! Changing `local_table.slots` or the number of policies moves keys to other groups: their
+//! local state starts fresh, and the records left behind are idle after one refill and evicted
+//! like any other.
 //!
 //! A slot holds one [`Record`]: the local token bucket of a (policy, key) and, for global
 //! policies, this instance's lease of the global budget with its bookkeeping.
 
 use crate::shared::{SharedData, WriteError};
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 use tollgate_core::bucket::BucketState;
 
-/// Slots per group: the places one key may live, under one CAS stamp.
+/// Slots per group: the slots under one CAS stamp.
 pub const GROUP_SLOTS: usize = 4;
+/// Candidate groups of a key (fewer in a region of fewer groups): each takes 8 bytes of the
+/// SHA-256 of the salted id, so at most 4.
+pub const PROBE_GROUPS: usize = 4;
 /// Attempts at a CAS transaction before giving up with [`TableError::Contended`].
 pub const MAX_ATTEMPTS: u32 = 8;
-
 /// Version tag of the record encoding; other tags read as empty.
 const TAG_RECORD: u8 = 4;
 /// Version tag of a group of slots.
@@ -35,7 +70,7 @@ const TAG_GROUP: u8 = 3;
 /// Why the table could not decide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TableError {
-    /// Every slot of a key's group holds another live record.
+    /// Every slot of every candidate group of a new key holds another live record.
     Full,
     /// Other workers kept winning the CAS race.
     Contended,
@@ -238,15 +273,25 @@ pub struct Transacted<T> {
 struct Group {
     index: u32,
     cas: u32,
+    /// The value as read: what a confirming write puts back.
+    raw: Vec<u8>,
     slots: Vec<Option<Record>>,
+    /// Receives a new key of this transaction: written after the groups without one, in the
+    /// order of this rank.
+    rank: Option<usize>,
+    /// A candidate of a new key of this transaction.
+    candidate: bool,
 }
 
 /// Where a transaction's key lives: group (index into the transaction's groups) and slot.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Place {
     group: usize,
     slot: usize,
     evicts: bool,
+    /// For a new key: all its candidate groups (indices into the transaction's groups), which
+    /// its insert writes; empty for a key that has a record.
+    candidates: Vec<usize>,
 }
 
 fn encode_group(slots: &[Option<Record>]) -> Vec<u8> {
@@ -287,12 +332,22 @@ fn decode_group(bytes: &[u8]) -> Vec<Option<Record>> {
     slots
 }
 
+/// A contiguous range of groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Region {
+    start: u32,
+    groups: u32,
+}
+
 /// The table, as configured. Cheap to clone; holds no shared-data state itself.
 #[derive(Debug, Clone)]
 pub struct SlotTable {
     prefix: String,
+    /// Groups created by [`SlotTable::open`].
     groups: u32,
     salt: Vec<u8>,
+    /// Region of each policy name; empty: the whole table is one region.
+    regions: BTreeMap<String, Region>,
 }
 
 impl SlotTable {
@@ -317,6 +372,7 @@ impl SlotTable {
             prefix: prefix.to_string(),
             groups: slots.max(1).div_ceil(per_group),
             salt,
+            regions: BTreeMap::new(),
         };
         let empty = encode_group(&vec![None; GROUP_SLOTS]);
         for group in 0..table.groups {
@@ -325,9 +381,53 @@ impl SlotTable {
         Ok(table)
     }
 
-    /// Records the table can hold.
+    /// The same table split into one region per distinct name (in order of first appearance),
+    /// of equal size give or take a group: the records of ids `<name>:...` live only in the
+    /// region of `name`. Every region has at least one group; only when there are more names
+    /// than groups does that add groups (created on first use, one per extra name).
+    pub fn partitioned<'a>(mut self, names: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut distinct: Vec<&str> = Vec::new();
+        for name in names {
+            if !distinct.contains(&name) {
+                distinct.push(name);
+            }
+        }
+        self.regions.clear();
+        let Ok(count) = u32::try_from(distinct.len()) else {
+            return self;
+        };
+        if count == 0 {
+            return self;
+        }
+        let base = (self.groups / count).max(1);
+        let extra = if self.groups > count {
+            self.groups % count
+        } else {
+            0
+        };
+        let mut start = 0;
+        for (i, name) in (0u32..).zip(distinct) {
+            let groups = base + u32::from(i < extra);
+            self.regions
+                .insert(name.to_string(), Region { start, groups });
+            start += groups;
+        }
+        self
+    }
+
+    /// Records the table can hold (all regions together).
     pub fn slots(&self) -> u32 {
-        self.groups * GROUP_SLOTS as u32
+        let groups = if self.regions.is_empty() {
+            self.groups
+        } else {
+            self.regions.values().map(|r| r.groups).sum()
+        };
+        groups * GROUP_SLOTS as u32
+    }
+
+    /// Records the region of `policy` can hold (the whole table's, without regions).
+    pub fn region_slots(&self, policy: &str) -> u32 {
+        self.region_of(&format!("{policy}:")).groups * GROUP_SLOTS as u32
     }
 
     /// The per-process salt (also a source of uniqueness for ids this instance makes).
@@ -339,16 +439,36 @@ impl SlotTable {
         format!("{}group/{group}", self.prefix)
     }
 
-    fn group_of(&self, id: &str) -> u32 {
+    fn region_of(&self, id: &str) -> Region {
+        id.split_once(':')
+            .and_then(|(policy, _)| self.regions.get(policy))
+            .copied()
+            .unwrap_or(Region {
+                start: 0,
+                groups: self.groups.max(1),
+            })
+    }
+
+    /// The candidate groups of `id`, in probe order: distinct, in its region.
+    fn candidates(&self, id: &str) -> Vec<u32> {
+        let region = self.region_of(id);
         let mut hasher = Sha256::new();
         hasher.update(&self.salt);
         hasher.update(id.as_bytes());
         let digest = hasher.finalize();
-        let mut first = [0u8; 8];
-        for (dst, src) in first.iter_mut().zip(digest.iter()) {
-            *dst = *src;
+        let count = PROBE_GROUPS.min(usize::try_from(region.groups).unwrap_or(PROBE_GROUPS));
+        let mut out: Vec<u32> = Vec::with_capacity(count);
+        for chunk in digest.chunks_exact(8).take(count) {
+            let word = <[u8; 8]>::try_from(chunk).map_or(0, u64::from_le_bytes);
+            let mut offset = (word % u64::from(region.groups)) as u32;
+            // Taken by an earlier candidate: the next group of the region (there are at least
+            // `count` of them, so this ends).
+            while out.contains(&(region.start + offset)) {
+                offset = (offset + 1) % region.groups;
+            }
+            out.push(region.start + offset);
         }
-        (u64::from_le_bytes(first) % u64::from(self.groups)) as u32
+        out
     }
 
     fn read(&self, store: &impl SharedData, index: u32) -> Result<Group, TableError> {
@@ -356,7 +476,7 @@ impl SlotTable {
         if let Some(group) = self.try_read(store, &key, index)? {
             return Ok(group);
         }
-        // Created at open; only a host that lost it gets here. Recreate, then re-read.
+        // Created at open (or, past the opened groups, on first use); recreate, then re-read.
         create_if_absent(store, &key, &encode_group(&vec![None; GROUP_SLOTS]))?;
         self.try_read(store, &key, index)?.ok_or(TableError::Host)
     }
@@ -367,56 +487,109 @@ impl SlotTable {
         key: &str,
         index: u32,
     ) -> Result<Option<Group>, TableError> {
+        let group = |cas, raw: Vec<u8>| Group {
+            index,
+            cas,
+            slots: decode_group(&raw),
+            raw,
+            rank: None,
+            candidate: false,
+        };
         Ok(match store.get(key).map_err(|_| TableError::Host)? {
-            (Some(bytes), Some(cas)) => Some(Group {
-                index,
-                cas,
-                slots: decode_group(&bytes),
-            }),
+            (Some(bytes), Some(cas)) => Some(group(cas, bytes)),
             // A present key with an empty value (what a shared-data "remove" leaves).
-            (None, Some(cas)) => Some(Group {
-                index,
-                cas,
-                slots: vec![None; GROUP_SLOTS],
-            }),
+            (None, Some(cas)) => Some(group(cas, encode_group(&vec![None; GROUP_SLOTS]))),
             (_, None) => None,
         })
     }
 
-    /// The slot of `group` for `id`: its own, else an empty one, else the one idle longest.
-    fn place(
-        group: &Group,
-        id: &str,
-        taken: &[usize],
+    /// Position of group `index` among the transaction's groups, reading it on first use.
+    fn group_at(
+        &self,
+        store: &impl SharedData,
+        groups: &mut Vec<Group>,
+        index: u32,
+    ) -> Result<usize, TableError> {
+        if let Some(position) = groups.iter().position(|g| g.index == index) {
+            return Ok(position);
+        }
+        groups.push(self.read(store, index)?);
+        Ok(groups.len() - 1)
+    }
+
+    /// Where a new key goes among its `candidates` (indices into `groups`): group, slot and
+    /// whether it evicts an idle record. Slots already given to earlier keys of the
+    /// transaction, and records of the transaction's own ids, are not free.
+    fn choose(
+        groups: &[Group],
+        candidates: &[usize],
+        places: &[Place],
+        ids: &[&str],
         now_ms: u64,
-    ) -> Result<(usize, bool), TableError> {
-        if let Some(slot) = group
-            .slots
+    ) -> Result<(usize, usize, bool), TableError> {
+        let free_slots = |group: usize| -> Vec<usize> {
+            let Some(g) = groups.get(group) else {
+                return Vec::new();
+            };
+            (0..g.slots.len())
+                .filter(|slot| !places.iter().any(|p| p.group == group && p.slot == *slot))
+                .filter(|slot| match g.slots.get(*slot) {
+                    Some(None) => true,
+                    Some(Some(record)) => {
+                        record.evictable_at_ms <= now_ms && !ids.contains(&record.id.as_str())
+                    }
+                    None => false,
+                })
+                .collect()
+        };
+        // Keeps the receiving group after every other candidate of each key it receives.
+        let allowed = |target: usize| -> bool {
+            let Some(group) = groups.get(target) else {
+                return false;
+            };
+            match group.rank {
+                Some(rank) => candidates.iter().filter(|c| **c != target).all(|c| {
+                    groups
+                        .get(*c)
+                        .and_then(|g| g.rank)
+                        .map_or(true, |other| other < rank)
+                }),
+                None => !group.candidate,
+            }
+        };
+        let mut best: Option<(usize, Vec<usize>)> = None;
+        for &group in candidates {
+            if !allowed(group) {
+                continue;
+            }
+            let free = free_slots(group);
+            if free.len() >= 2 {
+                best = Some((group, free));
+                break;
+            }
+            if !free.is_empty() && best.as_ref().map_or(true, |(_, b)| free.len() > b.len()) {
+                best = Some((group, free));
+            }
+        }
+        let (group, free) = best.ok_or(TableError::Full)?;
+        let slots = groups.get(group).map(|g| g.slots.as_slice()).unwrap_or(&[]);
+        if let Some(&slot) = free
             .iter()
-            .position(|s| s.as_ref().is_some_and(|r| r.id == id))
+            .find(|s| slots.get(**s).is_some_and(Option::is_none))
         {
-            return Ok((slot, false));
+            return Ok((group, slot, false));
         }
-        let free = |slot: &usize| !taken.contains(slot);
-        if let Some(slot) = (0..group.slots.len())
-            .filter(free)
-            .find(|s| group.slots.get(*s).is_some_and(Option::is_none))
-        {
-            return Ok((slot, false));
-        }
-        (0..group.slots.len())
-            .filter(free)
-            .filter_map(|s| Some((s, group.slots.get(s)?.as_ref()?.evictable_at_ms)))
-            .filter(|(_, at)| *at <= now_ms)
+        free.iter()
+            .filter_map(|s| Some((*s, slots.get(*s)?.as_ref()?.evictable_at_ms)))
             .min_by_key(|(_, at)| *at)
-            .map(|(slot, _)| (slot, true))
+            .map(|(slot, _)| (group, slot, true))
             .ok_or(TableError::Full)
     }
 
-    /// Reads the records of `ids` (fresh ones for keys without a slot), lets `decide` change
-    /// them, and writes the changed ones all-or-nothing. `decide` may run more than once (after
-    /// a lost race), always on fresh reads. `refund(i, before, after, current)` undoes item
-    /// `i`'s change on its current value when a later write lost a race.
+    /// Reads the records of `ids` (distinct; fresh records for keys without a slot), lets
+    /// `decide` change them, and writes the changed ones all-or-nothing. `decide` may run more
+    /// than once (after a lost race), always on fresh reads. `refund(i, before, after, current)`
+    /// undoes item `i`'s change on its current value when a later write lost a race.
     pub fn transact<T>(
         &self,
         store: &impl SharedData,
@@ -429,32 +602,52 @@ impl SlotTable {
             let mut groups: Vec<Group> = Vec::new();
             let mut places: Vec<Place> = Vec::with_capacity(ids.len());
             let mut before: Vec<Record> = Vec::with_capacity(ids.len());
+            let mut next_rank = 0;
             for id in ids {
-                let index = self.group_of(id);
-                let group = match groups.iter().position(|g| g.index == index) {
-                    Some(group) => group,
-                    None => {
-                        groups.push(self.read(store, index)?);
-                        groups.len() - 1
+                let mut candidates = Vec::with_capacity(PROBE_GROUPS);
+                let mut found = None;
+                for index in self.candidates(id) {
+                    let group = self.group_at(store, &mut groups, index)?;
+                    candidates.push(group);
+                    let slots = groups.get(group).map(|g| g.slots.as_slice()).unwrap_or(&[]);
+                    if let Some(slot) = slots
+                        .iter()
+                        .position(|s| s.as_ref().is_some_and(|r| r.id == *id))
+                    {
+                        found = Some((group, slot, slots.get(slot).cloned().flatten()));
+                        break;
                     }
-                };
-                let taken: Vec<usize> = places
-                    .iter()
-                    .filter(|p| p.group == group)
-                    .map(|p| p.slot)
-                    .collect();
-                let g = groups.get(group).ok_or(TableError::Host)?;
-                let (slot, evicts) = Self::place(g, id, &taken, now_ms)?;
-                let record = match g.slots.get(slot) {
-                    Some(Some(record)) if record.id == *id => record.clone(),
-                    _ => Record::fresh(id),
-                };
+                }
+                if let Some((group, slot, Some(record))) = found {
+                    places.push(Place {
+                        group,
+                        slot,
+                        evicts: false,
+                        candidates: Vec::new(),
+                    });
+                    before.push(record);
+                    continue;
+                }
+                let (group, slot, evicts) =
+                    Self::choose(&groups, &candidates, &places, ids, now_ms)?;
+                if let Some(g) = groups.get_mut(group) {
+                    if g.rank.is_none() {
+                        g.rank = Some(next_rank);
+                        next_rank += 1;
+                    }
+                }
+                for &c in &candidates {
+                    if let Some(g) = groups.get_mut(c) {
+                        g.candidate = true;
+                    }
+                }
                 places.push(Place {
                     group,
                     slot,
                     evicts,
+                    candidates,
                 });
-                before.push(record);
+                before.push(Record::fresh(id));
             }
             let mut records = before.clone();
             let value = match decide(&mut records) {
@@ -482,6 +675,10 @@ impl SlotTable {
         Err(TableError::Contended)
     }
 
+    /// Writes, each with the stamp it was read with: every group with a changed record, and
+    /// every candidate of a key that is inserted (unchanged ones as read). Groups receiving a
+    /// new key go last, in rank order, so an insert is visible only once its other candidates
+    /// are known not to have changed since they were read.
     fn write_all(
         &self,
         store: &impl SharedData,
@@ -491,13 +688,36 @@ impl SlotTable {
         records: &[Record],
         refund: &impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<u32, WriteError> {
+        let changes = || {
+            places
+                .iter()
+                .zip(before)
+                .zip(records)
+                .filter(|((_, old), new)| old != new)
+        };
+        let mut order: Vec<usize> = (0..groups.len())
+            .filter(|index| {
+                changes().any(|((place, _), _)| {
+                    place.group == *index || place.candidates.contains(index)
+                })
+            })
+            .collect();
+        order.sort_by_key(|index| {
+            groups
+                .get(*index)
+                .and_then(|g| g.rank)
+                .map_or((0, 0), |r| (1, r))
+        });
         let mut evictions = 0;
         let mut written: Vec<usize> = Vec::new();
-        for (index, group) in groups.iter().enumerate() {
+        for index in order {
+            let Some(group) = groups.get(index) else {
+                continue;
+            };
             let mut slots = group.slots.clone();
             let mut changed = false;
-            for ((place, old), new) in places.iter().zip(before).zip(records) {
-                if place.group != index || old == new {
+            for ((place, _), new) in changes() {
+                if place.group != index {
                     continue;
                 }
                 if let Some(slot) = slots.get_mut(place.slot) {
@@ -508,20 +728,20 @@ impl SlotTable {
                     }
                 }
             }
-            if !changed {
-                continue;
-            }
-            if let Err(error) = store.set(
-                &self.group_key(group.index),
-                &encode_group(&slots),
-                Some(group.cas),
-            ) {
+            let value = if changed {
+                encode_group(&slots)
+            } else {
+                group.raw.clone()
+            };
+            if let Err(error) = store.set(&self.group_key(group.index), &value, Some(group.cas)) {
                 for &undo in &written {
                     self.refund_group(store, groups, undo, places, before, records, refund);
                 }
                 return Err(error);
             }
-            written.push(index);
+            if changed {
+                written.push(index);
+            }
         }
         Ok(evictions)
     }

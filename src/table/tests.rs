@@ -25,7 +25,7 @@ impl SlotTable {
     /// All-or-nothing token-bucket charge through `transact`.
     fn charge(
         &self,
-        store: &MemorySharedData,
+        store: &impl SharedData,
         charges: &[Charge<'_>],
         now: u64,
     ) -> Result<Charged, TableError> {
@@ -158,10 +158,14 @@ fn lost_race_is_retried_and_refunds_partial_writes() {
     let store = MemorySharedData::default();
     let table = open(&store, 64);
     let l = limits(10);
-    // Two buckets in different groups, so the first one's write has to be refunded.
+    // Two buckets without a common candidate group, so the first one's write has to be
+    // refunded.
     let second = (0..)
         .map(|n| format!("b:{n}"))
-        .find(|id| table.group_of(id) != table.group_of("a:x"))
+        .find(|id| {
+            let theirs = table.candidates(id);
+            table.candidates("a:x").iter().all(|g| !theirs.contains(g))
+        })
         .unwrap();
     let both = [
         Charge {
@@ -380,4 +384,545 @@ fn corrupt_slots_read_as_empty() {
     let bytes = encode(&record);
     assert_eq!(decode(&bytes[..bytes.len() - 1]), None);
     assert_eq!(decode(&[bytes.as_slice(), &[0]].concat()), None);
+}
+
+/// Every record of the table, with its group.
+fn all_records(store: &MemorySharedData, table: &SlotTable) -> Vec<(u32, Record)> {
+    let groups = table.slots() / GROUP_SLOTS as u32;
+    (0..groups.max(table.groups))
+        .flat_map(|g| {
+            let (value, _) = store.get(&table.group_key(g)).unwrap();
+            decode_group(&value.unwrap_or_default())
+                .into_iter()
+                .flatten()
+                .map(move |r| (g, r))
+        })
+        .collect()
+}
+
+/// splitmix64: reproducible random ids without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// Inserts a new key whose record stays live until `live_until` (what `settle` sets for a
+/// bucket that refills then); `Err(Full)` is the failure mode.
+fn insert(
+    table: &SlotTable,
+    store: &impl SharedData,
+    id: &str,
+    now: u64,
+    live_until: u64,
+) -> Result<Transacted<()>, TableError> {
+    table.transact(
+        store,
+        &[id],
+        now,
+        |records| {
+            for r in records.iter_mut() {
+                r.bucket = Some(BucketState {
+                    tokens: 0.0,
+                    updated_ms: now,
+                });
+                r.evictable_at_ms = live_until;
+            }
+            Txn::Commit(())
+        },
+        |_, _, _, _| {},
+    )
+}
+
+/// Up to this occupancy (live records / slots) of a region, at most 1 new key in 10^4 may find
+/// every candidate slot live (the README's sizing rule).
+const DOCUMENTED_OCCUPANCY: f64 = 0.5;
+
+#[test]
+fn fallback_rate_by_occupancy() {
+    // One new tenant per millisecond, each live for `hold` ms after its request (a bucket that
+    // took a unit and refills in `hold`), so `hold` records are live at any time: occupancy is
+    // hold / slots. After a warm-up of two holds (every slot has held a record, most idle
+    // now), count the new keys that find the table full.
+    // TOLLGATE_FALLBACK_SAMPLES=1000000 (with --release) for finer rates.
+    let slots = 4096;
+    let measured: u64 = std::env::var("TOLLGATE_FALLBACK_SAMPLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40_000);
+    println!("slots {slots}, {measured} new keys per row after warm-up");
+    println!("occupancy | live keys | fallbacks | rate");
+    let mut rows = Vec::new();
+    for occupancy in [0.10, 0.25, 0.50, 0.60, 0.70, 0.75] {
+        let store = MemorySharedData::default();
+        let table = open(&store, slots).partitioned(["p"]);
+        let hold = (occupancy * f64::from(slots)) as u64;
+        let mut rng = Rng(occupancy.to_bits());
+        let mut full = 0u64;
+        let warm_up = 2 * hold;
+        for now in 0..warm_up + measured {
+            let id = format!("p:{:016x}", rng.next());
+            match insert(&table, &store, &id, now, now + hold) {
+                Ok(_) => {}
+                Err(TableError::Full) if now >= warm_up => full += 1,
+                Err(TableError::Full) => {}
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        let rate = full as f64 / measured as f64;
+        println!(
+            "{:>8.0} % | {hold:>9} | {full:>9} | {:.4} %",
+            occupancy * 100.0,
+            rate * 100.0
+        );
+        rows.push((occupancy, rate));
+    }
+    for (occupancy, rate) in rows {
+        if occupancy <= DOCUMENTED_OCCUPANCY {
+            assert!(
+                rate <= 1e-4,
+                "{rate} of new keys fell back at {occupancy} occupancy"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_flood_on_one_policy_never_takes_another_policys_slots() {
+    let hour = 3_600_000;
+    for partitioned in [true, false] {
+        let store = MemorySharedData::default();
+        let table = open(&store, 2048);
+        let table = if partitioned {
+            table.partitioned(["flood", "steady"])
+        } else {
+            table
+        };
+        if partitioned {
+            assert_eq!(table.region_slots("flood"), 1024);
+            assert_eq!(table.region_slots("steady"), 1024);
+        }
+        // `flood` sends 5,000 new ids that stay live for an hour (five times its region);
+        // every tenth request is a new tenant of `steady`, 500 in all (49 % of its region).
+        let (mut flood_ok, mut flood_full, mut steady_ok, mut steady_full) = (0, 0, 0, 0);
+        for n in 0..5_500u64 {
+            let now = n;
+            let (id, ok, full) = if n % 11 == 10 {
+                (format!("steady:{n}"), &mut steady_ok, &mut steady_full)
+            } else {
+                (format!("flood:{n}"), &mut flood_ok, &mut flood_full)
+            };
+            match insert(&table, &store, &id, now, now + hour) {
+                Ok(done) => {
+                    assert_eq!(done.evictions, 0, "a live record was evicted");
+                    *ok += 1;
+                }
+                Err(TableError::Full) => *full += 1,
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        let records = all_records(&store, &table);
+        let count = |prefix: &str| {
+            records
+                .iter()
+                .filter(|(_, r)| r.id.starts_with(prefix))
+                .count()
+        };
+        // No record was lost: every insert that succeeded is still there, exactly once.
+        assert_eq!(count("flood:"), flood_ok);
+        assert_eq!(count("steady:"), steady_ok);
+        if partitioned {
+            println!("flood: {flood_ok} held, {flood_full} full; steady: {steady_ok} held");
+            assert_eq!(steady_ok, 500, "steady tenants found the table full");
+            assert_eq!(steady_full, 0);
+            assert!(flood_ok <= 1024 && flood_full >= 5_000 - 1024);
+            // Each policy's records sit in its own half of the table.
+            assert!(records
+                .iter()
+                .all(|(g, r)| (*g < 256) == r.id.starts_with("flood:")));
+        } else {
+            // The defect this layout fixes: without regions the flood starves `steady`.
+            assert!(steady_full > 100, "steady full {steady_full}");
+        }
+    }
+}
+
+#[test]
+fn regions_are_disjoint_and_candidates_stay_inside() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 64).partitioned(["a", "b", "c", "a"]);
+    // 16 groups over 3 distinct names: 6 + 5 + 5.
+    assert_eq!(table.region_slots("a"), 24);
+    assert_eq!(table.region_slots("b"), 20);
+    assert_eq!(table.region_slots("c"), 20);
+    assert_eq!(table.slots(), 64);
+    let ranges = [("a", 0..6), ("b", 6..11), ("c", 11..16)];
+    for (name, range) in ranges {
+        for n in 0..200 {
+            let candidates = table.candidates(&format!("{name}:{n}"));
+            assert_eq!(candidates.len(), PROBE_GROUPS);
+            assert!(candidates.iter().all(|g| range.contains(g)), "{name}");
+            let mut distinct = candidates.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            assert_eq!(distinct.len(), candidates.len());
+        }
+    }
+    // Unknown policies, and ids without one, use the whole table.
+    for id in ["zzz:1", "plain"] {
+        assert!(table.candidates(id).iter().all(|g| *g < 16));
+    }
+    // A region smaller than the probe width: every group of it is a candidate.
+    let small = open(&store, 16).partitioned(["x", "y"]);
+    assert_eq!(small.candidates("x:k").len(), 2);
+    // More names than groups: one group each; the extra groups are created on first use.
+    let store = MemorySharedData::default();
+    let crowded = open(&store, 16).partitioned(["p0", "p1", "p2", "p3", "p4", "p5"]);
+    assert_eq!(crowded.slots(), 24);
+    assert_eq!(store.entries(), 5);
+    for p in 0..6 {
+        insert(&crowded, &store, &format!("p{p}:k"), 0, 10).unwrap();
+    }
+    assert_eq!(store.entries(), 7);
+    let records = all_records(&store, &crowded);
+    assert_eq!(records.len(), 6);
+    assert!(records.iter().all(|(g, r)| r.id == format!("p{g}:k")));
+}
+
+#[test]
+fn new_keys_with_shared_candidates_in_one_transaction_are_each_created_once() {
+    // One region of two groups: every key has both as candidates.
+    let store = MemorySharedData::default();
+    let table = open(&store, 8);
+    let l = limits(5);
+    let ids = ["p:a", "p:b", "p:c", "p:d", "p:e"];
+    let charges: Vec<Charge<'_>> = ids
+        .iter()
+        .map(|id| Charge {
+            bucket_id: id,
+            limits: &l,
+            cost: 1,
+        })
+        .collect();
+    // Placement keeps every receiving group after the other candidates of the keys it
+    // receives; with both groups shared, one transaction can place keys in one group only.
+    let first = table.charge(&store, &charges[..3], 0).unwrap();
+    assert!(first.allowed);
+    let again = table.charge(&store, &charges, 0);
+    assert!(
+        matches!(again, Ok(Charged { allowed: true, .. })),
+        "{again:?}"
+    );
+    let records = all_records(&store, &table);
+    for id in ids {
+        let held: Vec<_> = records.iter().filter(|(_, r)| r.id == id).collect();
+        assert_eq!(held.len(), 1, "{id}: {held:?}");
+    }
+    // Interfering with every write in turn never leaves a key twice.
+    for victim in 0..2 {
+        store.interfere_once.replace(Some(table.group_key(victim)));
+        let more: Vec<String> = (0..2).map(|n| format!("p:new-{victim}-{n}")).collect();
+        let more_charges: Vec<Charge<'_>> = more
+            .iter()
+            .map(|id| Charge {
+                bucket_id: id,
+                limits: &l,
+                cost: 1,
+            })
+            .collect();
+        let _ = table.charge(&store, &more_charges, 0);
+        let records = all_records(&store, &table);
+        for id in ids.iter().copied().chain(more.iter().map(String::as_str)) {
+            assert!(
+                records.iter().filter(|(_, r)| r.id == id).count() <= 1,
+                "{id}"
+            );
+        }
+    }
+}
+
+/// Two workers on one store, each operation granted in turn by a scheduler, so a test can run
+/// every interleaving of their shared-data calls.
+mod interleave {
+    use super::*;
+    use std::sync::{Arc, Condvar, Mutex};
+
+    #[derive(Default)]
+    struct Turns {
+        turn: Option<usize>,
+        waiting: [bool; 2],
+        done: [bool; 2],
+        /// (worker, is a write) of every operation, in order.
+        log: Vec<(usize, bool)>,
+    }
+
+    pub struct Shared {
+        store: Mutex<(MemorySharedData, Turns)>,
+        changed: Condvar,
+    }
+
+    pub struct Gate {
+        shared: Arc<Shared>,
+        me: usize,
+    }
+
+    impl Gate {
+        fn op<R>(&self, write: bool, f: impl FnOnce(&MemorySharedData) -> R) -> R {
+            let mut state = self.shared.store.lock().unwrap();
+            state.1.waiting[self.me] = true;
+            self.shared.changed.notify_all();
+            while state.1.turn != Some(self.me) {
+                state = self.shared.changed.wait(state).unwrap();
+            }
+            let result = f(&state.0);
+            state.1.log.push((self.me, write));
+            state.1.turn = None;
+            state.1.waiting[self.me] = false;
+            self.shared.changed.notify_all();
+            result
+        }
+    }
+
+    impl SharedData for Gate {
+        fn get(
+            &self,
+            key: &str,
+        ) -> Result<(Option<Vec<u8>>, Option<u32>), crate::shared::ReadError> {
+            self.op(false, |s| s.get(key))
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), WriteError> {
+            self.op(true, |s| s.set(key, value, cas))
+        }
+    }
+
+    pub struct Run<T> {
+        /// Per operation: the worker that ran it and the workers that could have.
+        pub choices: Vec<(usize, Vec<usize>)>,
+        pub log: Vec<(usize, bool)>,
+        pub results: [T; 2],
+        pub store: MemorySharedData,
+    }
+
+    /// Runs `work(gate, worker)` on two threads over `store`, choosing who goes next by
+    /// `prefix`, then the worker that ran last while it can.
+    pub fn run<T: Send + 'static>(
+        store: MemorySharedData,
+        prefix: &[usize],
+        work: impl Fn(&Gate, usize) -> T + Send + Sync + 'static,
+    ) -> Run<T> {
+        let shared = Arc::new(Shared {
+            store: Mutex::new((store, Turns::default())),
+            changed: Condvar::new(),
+        });
+        let work = Arc::new(work);
+        let handles: Vec<_> = (0..2)
+            .map(|me| {
+                let shared = Arc::clone(&shared);
+                let work = Arc::clone(&work);
+                std::thread::spawn(move || {
+                    let gate = Gate {
+                        shared: Arc::clone(&shared),
+                        me,
+                    };
+                    let result = work(&gate, me);
+                    let mut state = shared.store.lock().unwrap();
+                    state.1.done[me] = true;
+                    shared.changed.notify_all();
+                    result
+                })
+            })
+            .collect();
+        let mut choices = Vec::new();
+        loop {
+            let mut state = shared.store.lock().unwrap();
+            while !(state.1.turn.is_none() && (0..2).all(|w| state.1.waiting[w] || state.1.done[w]))
+            {
+                state = shared.changed.wait(state).unwrap();
+            }
+            let runnable: Vec<usize> = (0..2).filter(|w| state.1.waiting[*w]).collect();
+            let Some(&first) = runnable.first() else {
+                break;
+            };
+            // Past the prefix, the worker that ran last goes on while it can (no preemption).
+            let last = choices.last().map(|c: &(usize, Vec<usize>)| c.0);
+            let keep = last.filter(|w| runnable.contains(w)).unwrap_or(first);
+            let chosen = prefix.get(choices.len()).copied().unwrap_or(keep);
+            assert!(runnable.contains(&chosen), "a replay diverged");
+            choices.push((chosen, runnable));
+            state.1.turn = Some(chosen);
+            shared.changed.notify_all();
+        }
+        let mut results = handles.into_iter().map(|h| h.join().unwrap());
+        let results = [results.next().unwrap(), results.next().unwrap()];
+        let (store, turns) = Arc::try_unwrap(shared)
+            .ok()
+            .unwrap()
+            .store
+            .into_inner()
+            .unwrap();
+        Run {
+            choices,
+            log: turns.log,
+            results,
+            store,
+        }
+    }
+
+    /// Every interleaving of the two workers with at most `preemptions` switches away from a
+    /// worker that could have gone on (depth-first over the scheduler's choices; bounding
+    /// preemptions keeps the search finite while covering every overlap of two transactions:
+    /// both reading before either writes takes two). Calls `check` on each run and returns how
+    /// many there were.
+    pub fn explore<T: Send + 'static>(
+        setup: impl Fn() -> MemorySharedData,
+        work: impl Fn(&Gate, usize) -> T + Send + Sync + Clone + 'static,
+        preemptions: usize,
+        mut check: impl FnMut(&Run<T>),
+    ) -> usize {
+        let mut pending: Vec<Vec<usize>> = vec![Vec::new()];
+        let mut runs = 0;
+        while let Some(prefix) = pending.pop() {
+            let run = run(setup(), &prefix, work.clone());
+            runs += 1;
+            let mut used = 0;
+            for (step, (chosen, runnable)) in run.choices.iter().enumerate() {
+                let last = step.checked_sub(1).map(|s| run.choices[s].0);
+                let preempts = |w: usize| last.is_some_and(|l| l != w && runnable.contains(&l));
+                if step >= prefix.len() && used + usize::from(preempts(1 - chosen)) <= preemptions {
+                    for other in runnable.iter().filter(|w| *w != chosen) {
+                        let mut next: Vec<usize> =
+                            run.choices[..step].iter().map(|c| c.0).collect();
+                        next.push(*other);
+                        pending.push(next);
+                    }
+                }
+                used += usize::from(preempts(*chosen));
+            }
+            check(&run);
+        }
+        runs
+    }
+}
+
+#[test]
+fn two_workers_inserting_one_new_key_create_it_once_in_every_interleaving() {
+    // A region of four groups: every key has all four as candidates. The new key's candidates
+    // are prepared so that the two workers, deciding at different times, choose different
+    // groups: the first (at 100 ms) sees its first candidate with one free slot and takes the
+    // second, which has two; the second (at 200 ms) sees the first candidate's records
+    // evictable and takes it. Only the confirming writes keep them from inserting it twice.
+    let seed_store = MemorySharedData::default();
+    let table = open(&seed_store, 16);
+    let key = "p:new";
+    let order = table.candidates(key);
+    assert_eq!(order.len(), 4);
+    let filler = |name: &str, until: u64| {
+        let mut r = Record::fresh(name);
+        r.evictable_at_ms = until;
+        Some(r)
+    };
+    let prepared: Vec<(u32, Vec<Option<Record>>)> = vec![
+        (
+            order[0],
+            vec![
+                filler("p:f0", 150),
+                filler("p:f1", 150),
+                filler("p:f2", 150),
+                None,
+            ],
+        ),
+        (
+            order[1],
+            vec![
+                filler("p:f3", u64::MAX),
+                None,
+                filler("p:f4", u64::MAX),
+                None,
+            ],
+        ),
+        (
+            order[2],
+            (0..4)
+                .map(|i| filler(&format!("p:g{i}"), u64::MAX))
+                .collect(),
+        ),
+        (
+            order[3],
+            (0..4)
+                .map(|i| filler(&format!("p:h{i}"), u64::MAX))
+                .collect(),
+        ),
+    ];
+    let setup = {
+        let table = table.clone();
+        move || {
+            let store = MemorySharedData::default();
+            let _ = SlotTable::open(&store, "tollgate/test/", 16, 7).unwrap();
+            for (group, slots) in &prepared {
+                store
+                    .set(&table.group_key(*group), &encode_group(slots), None)
+                    .unwrap();
+            }
+            store
+        }
+    };
+    for times in [[100, 200], [200, 100], [100, 100]] {
+        let work = {
+            let table = table.clone();
+            move |gate: &interleave::Gate, worker: usize| {
+                let l = limits(10);
+                let charge = [Charge {
+                    bucket_id: key,
+                    limits: &l,
+                    cost: 1,
+                }];
+                table.charge(gate, &charge, times[worker])
+            }
+        };
+        let mut overlapping = 0;
+        let runs = interleave::explore(setup.clone(), work, 3, |run| {
+            for result in &run.results {
+                assert!(
+                    matches!(result, Ok(Charged { allowed: true, .. })),
+                    "{result:?}"
+                );
+            }
+            let records = all_records(&run.store, &table);
+            let held: Vec<_> = records.iter().filter(|(_, r)| r.id == key).collect();
+            assert_eq!(held.len(), 1, "{times:?} {:?}: {held:?}", run.log);
+            // Both charges landed on the one record.
+            let tokens = held[0].1.bucket.unwrap().tokens;
+            assert!((tokens - 8.0).abs() < 0.01, "tokens {tokens}");
+            // No live filler was evicted.
+            for (_, r) in &records {
+                if r.id != key {
+                    assert!(r.evictable_at_ms == 150 || r.evictable_at_ms == u64::MAX);
+                }
+            }
+            let live = records
+                .iter()
+                .filter(|(_, r)| r.evictable_at_ms == u64::MAX)
+                .count();
+            assert_eq!(live, 10);
+            // The dangerous case: both read every candidate before either wrote.
+            let first_write = run.log.iter().position(|(_, w)| *w).unwrap_or(0);
+            let reads = |w| {
+                run.log[..first_write]
+                    .iter()
+                    .filter(|(who, _)| *who == w)
+                    .count()
+            };
+            if reads(0) >= 4 && reads(1) >= 4 {
+                overlapping += 1;
+            }
+        });
+        println!("{times:?}: {runs} interleavings, {overlapping} with both reads before any write");
+        assert!(overlapping > 0);
+    }
 }
