@@ -63,7 +63,7 @@ pub const PROBE_GROUPS: usize = 4;
 /// Attempts at a CAS transaction before giving up with [`TableError::Contended`].
 pub const MAX_ATTEMPTS: u32 = 8;
 /// Version tag of the record encoding; other tags read as empty.
-const TAG_RECORD: u8 = 4;
+const TAG_RECORD: u8 = 5;
 /// Version tag of a group of slots.
 const TAG_GROUP: u8 = 3;
 
@@ -145,8 +145,14 @@ impl Record {
     }
 }
 
+/// Words of a lease.
 const LEASE_FIELDS: usize = 19;
+/// After the id, at most: flags, the bucket (2 words), the lease, `evictable_at_ms`.
 const FIXED_BYTES: usize = 1 + 16 + LEASE_FIELDS * 8 + 8;
+/// Flags: the record has a bucket / a lease other than the default. A local policy's record
+/// has no lease, so it takes 1 + 16 + 8 bytes after its id instead of `FIXED_BYTES`.
+const HAS_BUCKET: u8 = 1;
+const HAS_LEASE: u8 = 2;
 
 fn encode(record: &Record) -> Vec<u8> {
     let id = record.id.as_bytes();
@@ -156,20 +162,28 @@ fn encode(record: &Record) -> Vec<u8> {
     out.push(TAG_RECORD);
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(id);
-    let (present, bucket) = match record.bucket {
-        Some(b) => (1u8, b),
-        None => (
-            0u8,
-            BucketState {
-                tokens: 0.0,
-                updated_ms: 0,
-            },
-        ),
-    };
-    out.push(present);
-    out.extend_from_slice(&bucket.tokens.to_le_bytes());
-    out.extend_from_slice(&bucket.updated_ms.to_le_bytes());
     let l = &record.lease;
+    let has_lease = *l != Lease::default();
+    let mut flags = 0;
+    if record.bucket.is_some() {
+        flags |= HAS_BUCKET;
+    }
+    if has_lease {
+        flags |= HAS_LEASE;
+    }
+    out.push(flags);
+    if let Some(bucket) = record.bucket {
+        out.extend_from_slice(&bucket.tokens.to_le_bytes());
+        out.extend_from_slice(&bucket.updated_ms.to_le_bytes());
+    }
+    if has_lease {
+        encode_lease(l, &mut out);
+    }
+    out.extend_from_slice(&record.evictable_at_ms.to_le_bytes());
+    out
+}
+
+fn encode_lease(l: &Lease, out: &mut Vec<u8>) {
     for value in [
         l.tokens,
         l.expires_ms,
@@ -197,8 +211,6 @@ fn encode(record: &Record) -> Vec<u8> {
     ] {
         out.extend_from_slice(&value.to_le_bytes());
     }
-    out.extend_from_slice(&record.evictable_at_ms.to_le_bytes());
-    out
 }
 
 /// `None` for an empty slot, or bytes that are not a record of this version (treated as empty).
@@ -210,43 +222,64 @@ fn decode(bytes: &[u8]) -> Option<Record> {
     let len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
     let rest = rest.get(2..)?;
     let id = std::str::from_utf8(rest.get(..len)?).ok()?.to_string();
-    let fixed = rest.get(len..)?;
-    if fixed.len() != FIXED_BYTES {
+    let (&flags, fixed) = rest.get(len..)?.split_first()?;
+    let bucket_words = if flags & HAS_BUCKET != 0 { 2 } else { 0 };
+    let lease_words = if flags & HAS_LEASE != 0 {
+        LEASE_FIELDS
+    } else {
+        0
+    };
+    if flags & !(HAS_BUCKET | HAS_LEASE) != 0 || fixed.len() != (bucket_words + lease_words + 1) * 8
+    {
         return None;
     }
-    let (&present, fixed) = fixed.split_first()?;
     let word = |i: usize| -> Option<[u8; 8]> { fixed.get(i * 8..i * 8 + 8)?.try_into().ok() };
     let u = |i: usize| word(i).map(u64::from_le_bytes);
-    let bucket = BucketState {
-        tokens: f64::from_le_bytes(word(0)?),
-        updated_ms: u(1)?,
+    let bucket = if bucket_words > 0 {
+        Some(BucketState {
+            tokens: f64::from_le_bytes(word(0)?),
+            updated_ms: u(1)?,
+        })
+    } else {
+        None
     };
-    let lease = Lease {
-        tokens: u(2)?,
-        expires_ms: u(3)?,
-        seq: u(4)?,
-        granted: u(5)?,
-        pending_until_ms: u(6)?,
-        denied_until_ms: u(7)?,
-        unavailable_since_ms: u(8)?,
-        unavailable_until_ms: u(9)?,
-        window_start_ms: u(10)?,
-        window_units: u(11)?,
-        drip_from_ms: u(12)?,
-        drip_until_ms: u(13)?,
-        assigned_until_ms: u(14)?,
-        renew_at_ms: u(15)?,
-        assigned_at_ms: u(16)?,
-        rate_per_s: f64::from_le_bytes(word(17)?),
-        drip_per_ms: f64::from_le_bytes(word(18)?),
-        drip_carry: f64::from_le_bytes(word(19)?),
-        asked_demand_per_s: f64::from_le_bytes(word(20)?),
+    let lease = if lease_words > 0 {
+        decode_lease(fixed.get(bucket_words * 8..)?)?
+    } else {
+        Lease::default()
     };
     Some(Record {
         id,
-        bucket: (present == 1).then_some(bucket),
+        bucket,
         lease,
-        evictable_at_ms: u(21)?,
+        evictable_at_ms: u(bucket_words + lease_words)?,
+    })
+}
+
+/// A lease from its [`LEASE_FIELDS`] words at the start of `words`.
+fn decode_lease(words: &[u8]) -> Option<Lease> {
+    let word = |i: usize| -> Option<[u8; 8]> { words.get(i * 8..i * 8 + 8)?.try_into().ok() };
+    let u = |i: usize| word(i).map(u64::from_le_bytes);
+    Some(Lease {
+        tokens: u(0)?,
+        expires_ms: u(1)?,
+        seq: u(2)?,
+        granted: u(3)?,
+        pending_until_ms: u(4)?,
+        denied_until_ms: u(5)?,
+        unavailable_since_ms: u(6)?,
+        unavailable_until_ms: u(7)?,
+        window_start_ms: u(8)?,
+        window_units: u(9)?,
+        drip_from_ms: u(10)?,
+        drip_until_ms: u(11)?,
+        assigned_until_ms: u(12)?,
+        renew_at_ms: u(13)?,
+        assigned_at_ms: u(14)?,
+        rate_per_s: f64::from_le_bytes(word(15)?),
+        drip_per_ms: f64::from_le_bytes(word(16)?),
+        drip_carry: f64::from_le_bytes(word(17)?),
+        asked_demand_per_s: f64::from_le_bytes(word(18)?),
     })
 }
 

@@ -238,7 +238,8 @@ fn keys_never_share_a_slot_and_memory_is_bounded() {
     assert_eq!(allowed, 16);
     assert_eq!(full, 10_000 - 16);
     assert_eq!(store.entries(), 5); // 4 groups + salt
-    let per_slot = 2 + 1 + 2 + "p:9999".len() + FIXED_BYTES;
+                                    // A local record: length, tag, id length, id, flags, bucket, `evictable_at_ms`.
+    let per_slot = 2 + 1 + 2 + "p:9999".len() + 1 + 16 + 8;
     assert!(
         store.bytes() <= bytes_before + 16 * per_slot,
         "{}",
@@ -380,6 +381,16 @@ fn corrupt_slots_read_as_empty() {
     assert_eq!(decode_group(&encode_group(&group)), group);
     assert_eq!(decode_group(b"garbage"), vec![None; GROUP_SLOTS]);
     assert_eq!(decode_group(&[TAG_GROUP, 200, 0]), vec![None; GROUP_SLOTS]);
+    // A record without a lease (every local policy's) leaves the lease out.
+    let mut local = Record::fresh("p:k");
+    local.bucket = record.bucket;
+    assert_eq!(encode(&local).len(), 3 + 3 + 1 + 16 + 8);
+    assert_eq!(encode(&record).len(), 3 + 3 + FIXED_BYTES);
+    assert_eq!(decode(&encode(&local)), Some(local.clone()));
+    // Unknown flags are rejected.
+    let mut flagged = encode(&local);
+    flagged[6] |= 4;
+    assert_eq!(decode(&flagged), None);
     // Truncated or extended encodings are rejected.
     let bytes = encode(&record);
     assert_eq!(decode(&bytes[..bytes.len() - 1]), None);
