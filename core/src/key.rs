@@ -2,8 +2,9 @@
 //!
 //! A bucket is named by its policy and a *key*: the escaped identity parts joined by `:`
 //! (e.g. `acme` or `acme:GET%20%2Fitems%2F%7Bid%7D`). The filter builds keys, sends them to the
-//! limiter, and uses `<policy>:<key>` for its local table; the limiter turns them into Redis keys
-//! `tollgate:{<first part>}:<policy>:<key>`.
+//! limiter, and uses `<policy>:<key>` for its local table; the limiter's Redis stores turn them
+//! into Redis keys with the first part as the Redis Cluster hash tag ([`hash_tag`]; the Redis
+//! key schema itself lives with those stores, in `tollgate-limiter`).
 //!
 //! User-supplied bytes are escaped so that `{`, `}`, `:` (and anything outside a small safe
 //! alphabet) cannot move a key to another Redis Cluster slot, or collide with another tenant's
@@ -21,8 +22,6 @@ pub const MAX_KEY_BYTES: usize = MAX_PARTS * (MAX_PART_BYTES + 1);
 /// The key part used for requests without the identity when a policy says `anonymous`.
 /// `!` is outside the escaped alphabet, so no real identity can produce it.
 pub const ANONYMOUS_PART: &str = "!anonymous";
-/// Prefix of every Redis key tollgate writes.
-pub const REDIS_PREFIX: &str = "tollgate";
 
 fn is_plain(byte: u8) -> bool {
     byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~' | b'@' | b'+' | b'=')
@@ -146,21 +145,6 @@ pub fn hash_tag(key: &str) -> &str {
     key.split(':').next().unwrap_or(key)
 }
 
-/// Redis key of a bucket: `tollgate:{<hash tag>}:<policy>:<key>`.
-pub fn redis_bucket_key(policy: &str, key: &str) -> String {
-    format!("{REDIS_PREFIX}:{{{}}}:{policy}:{key}", hash_tag(key))
-}
-
-/// Redis key of a lease's dedup record, in the same slot as its bucket:
-/// `tollgate:{<hash tag>}:lease:<escaped lease id>`.
-pub fn redis_lease_key(key: &str, lease_id: &str) -> String {
-    format!(
-        "{REDIS_PREFIX}:{{{}}}:lease:{}",
-        hash_tag(key),
-        escape_part(lease_id.as_bytes())
-    )
-}
-
 /// Local (filter) name of a bucket: `<policy>:<key>`.
 pub fn local_bucket_id(policy: &str, key: &str) -> String {
     format!("{policy}:{key}")
@@ -181,17 +165,6 @@ mod tests {
         let long = escape_part(&[b'x'; 200]);
         assert!(long.starts_with('#') && long.len() == 33);
         assert_ne!(escape_part(&[b'x'; 200]), escape_part(&[b'x'; 201]));
-    }
-
-    #[test]
-    fn redis_keys_keep_the_tenant_as_hash_tag() {
-        let key = join_parts(&[escape_part(b"t{1}:x"), escape_part(b"GET /a")]);
-        let redis = redis_bucket_key("p", &key);
-        assert_eq!(redis, "tollgate:{t%7b1%7d%3ax}:p:t%7b1%7d%3ax:GET%20%2fa");
-        // Exactly one `{` and one `}`: the tag cannot be moved by input.
-        assert_eq!(redis.matches('{').count(), 1);
-        assert_eq!(redis.matches('}').count(), 1);
-        assert!(redis_lease_key(&key, "id{}").starts_with("tollgate:{t%7b1%7d%3ax}:lease:"));
     }
 
     #[test]

@@ -50,7 +50,7 @@ fn crc16(data: &[u8]) -> u16 {
     crc
 }
 
-/// The slot of every Redis key of wire key `key`: its hash tag decides (see `core::key`).
+/// The slot of every Redis key of wire key `key`: its hash tag decides (see [`super::keys`]).
 pub fn slot_of_key(key: &str) -> u16 {
     crc16(tollgate_core::key::hash_tag(key).as_bytes()) % SLOTS
 }

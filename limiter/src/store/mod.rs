@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use tollgate_core::assign::{self, Ask, Holding, Terms};
 use tollgate_core::bucket::{BucketState, Limits};
-use tollgate_core::key;
 
 pub mod cluster;
+pub mod keys;
 pub mod memory;
 pub mod single;
 
@@ -97,7 +97,7 @@ impl StoreSettings {
 pub struct LeaseItem {
     pub id: String,
     pub policy: String,
-    /// A key that passed [`key::validate_key`].
+    /// A key that passed [`tollgate_core::key::validate_key`].
     pub key: String,
     pub limits: Limits,
     /// `1 ≤ min ≤ capacity`.
@@ -112,12 +112,14 @@ pub struct LeaseItem {
 }
 
 impl LeaseItem {
+    /// The Redis key of the item's bucket ([`keys::bucket_key`]).
     pub fn bucket_key(&self) -> String {
-        key::redis_bucket_key(&self.policy, &self.key)
+        keys::bucket_key(&self.policy, &self.key)
     }
 
+    /// The Redis key of the item's lease record ([`keys::lease_key`]).
     pub fn lease_key(&self) -> String {
-        key::redis_lease_key(&self.key, &self.id)
+        keys::lease_key(&self.key, &self.id)
     }
 
     /// The item as `tollgate_core::assign::allot` takes it.
@@ -142,12 +144,14 @@ pub struct ReturnItem {
 }
 
 impl ReturnItem {
+    /// The Redis key of the bucket the lease was drawn from ([`keys::bucket_key`]).
     pub fn bucket_key(&self) -> String {
-        key::redis_bucket_key(&self.policy, &self.key)
+        keys::bucket_key(&self.policy, &self.key)
     }
 
+    /// The Redis key of the lease's record ([`keys::lease_key`]).
     pub fn lease_key(&self) -> String {
-        key::redis_lease_key(&self.key, &self.id)
+        keys::lease_key(&self.key, &self.id)
     }
 }
 
