@@ -5,9 +5,11 @@
 //! The rules it enforces:
 //! * a malformed batch (bad JSON, unknown fields, negative or fractional amounts, more than
 //!   `MAX_BATCH` items) is refused whole with 400 and a reason;
-//! * per item: an unknown or non-global policy is `INVALID_POLICY`; a bad key, a bad id, a
-//!   duplicate id, `min == 0`, `min > burst`, a bad `holder` or a bad `demand_per_s` is
-//!   `INVALID_REQUEST`; `want` is clamped to `[min, burst]`;
+//! * a batch repeating a lease id is refused whole with 400 naming the id (two items sharing
+//!   one lease record could not both be decided once);
+//! * per item: an unknown or non-global policy is `INVALID_POLICY`; a bad key, a bad id,
+//!   `min == 0`, `min > burst`, a bad `holder` or a bad `demand_per_s` is `INVALID_REQUEST`;
+//!   `want` is clamped to `[min, burst]`;
 //! * an answer carries the store's assignment as `share_per_s` and `period_ms`; its
 //!   `expires_ms` is the lease TTL, plus the period when there is a share (tokens that
 //!   accrue late in the period stay spendable a little);
@@ -17,7 +19,7 @@
 //!   item is `UNAVAILABLE` the whole answer is `503 {"error":"UNAVAILABLE"}`. Nothing is ever
 //!   granted or denied that the store did not decide.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -223,6 +225,9 @@ impl<S: Store> Service<S> {
                 batch.leases.len()
             ));
         }
+        if let Some(reason) = repeated_id(&batch.leases) {
+            return Reply::bad_request(reason);
+        }
         let policies = self.policies.current();
         let requests = batch.leases;
 
@@ -230,7 +235,6 @@ impl<S: Store> Service<S> {
             .iter()
             .map(|r| validate_lease(&policies, r))
             .collect();
-        reject_duplicate_ids(requests.iter().map(|r| r.id.as_str()), &mut items);
         let units = form_units(&requests, &mut items);
 
         let outcomes = join_all(units.iter().map(|unit| {
@@ -655,18 +659,23 @@ fn validate_return(policies: &Policies, r: &LeaseReturn) -> Result<ReturnItem, I
     })
 }
 
-/// A second item with an id already in the batch is refused: two items sharing a lease record
-/// could not both be applied once.
-fn reject_duplicate_ids<'a>(
-    ids: impl Iterator<Item = &'a str>,
-    items: &mut [Result<LeaseItem, ItemError>],
-) {
-    let mut seen = HashSet::new();
-    for (id, item) in ids.zip(items.iter_mut()) {
-        if !seen.insert(id) && item.is_ok() {
-            *item = Err(ItemError::request("duplicate lease id in this batch"));
+/// Why a batch repeating a lease id is refused, naming the id: a lease id names one lease
+/// record in the store, so two items with one id could not both be decided once each —
+/// whichever ran second would replay the first. Rather than answer such a batch half (one
+/// copy decided, the other refused, which one depending on the order of the store calls),
+/// the whole batch is refused.
+fn repeated_id(requests: &[LeaseRequest]) -> Option<String> {
+    let mut first_at: HashMap<&str, usize> = HashMap::with_capacity(requests.len());
+    for (i, request) in requests.iter().enumerate() {
+        if let Some(first) = first_at.insert(request.id.as_str(), i) {
+            return Some(format!(
+                "lease id `{}` appears more than once in this batch (items {first} and {i}); \
+                 ids must be unique per logical request",
+                truncate(&request.id, 64)
+            ));
         }
     }
+    None
 }
 
 /// Splits the valid items into units (indices into the batch): each ungrouped item alone,
@@ -805,7 +814,7 @@ mod tests {
             {"id":"","policy":"g","key":"t1","min":1,"want":1},
             {"id":"zero","policy":"g","key":"t1","min":0,"want":1},
             {"id":"big","policy":"g","key":"t1","min":11,"want":11},
-            {"id":"ok","policy":"g","key":"t2","min":1,"want":1},
+            {"id":"nogroup","policy":"g","key":"t2","min":1,"want":1,"group":""},
             {"id":"low","policy":"g","key":"t3","min":3,"want":1}
         ]}"#;
         let r = s.lease_batch(body.as_bytes()).await;
@@ -870,14 +879,38 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn duplicate_ids_in_one_batch_are_refused() {
+    async fn a_repeated_id_refuses_the_whole_batch_naming_it() {
         let s = service();
         let body = r#"{"leases":[
             {"id":"a","policy":"g","key":"t","min":1,"want":1},
-            {"id":"a","policy":"g","key":"t","min":1,"want":1}]}"#;
-        let v = parse(&s.lease_batch(body.as_bytes()).await);
-        assert_eq!(v["leases"][0]["granted"], 1);
-        assert_eq!(v["leases"][1]["error"], "INVALID_REQUEST");
+            {"id":"b","policy":"g","key":"t","min":1,"want":1},
+            {"id":"a","policy":"g","key":"u","min":1,"want":1}]}"#;
+        let r = s.lease_batch(body.as_bytes()).await;
+        assert_eq!(r.status, 400, "{}", r.body);
+        let v = parse(&r);
+        assert_eq!(v["error"], "INVALID_REQUEST");
+        let reason = v["reason"].as_str().unwrap();
+        assert!(
+            reason.contains("`a`") && reason.contains("items 0 and 2"),
+            "{reason}"
+        );
+        // Nothing of it was decided: the whole burst is still there.
+        let all = r#"{"leases":[{"id":"c","policy":"g","key":"t","min":10,"want":10}]}"#;
+        assert_eq!(
+            parse(&s.lease_batch(all.as_bytes()).await)["leases"][0]["granted"],
+            10
+        );
+        // A long id is quoted shortened.
+        let long = "i".repeat(120);
+        let body = format!(
+            r#"{{"leases":[{{"id":"{long}","policy":"g","key":"t","min":1,"want":1}},
+            {{"id":"{long}","policy":"g","key":"t","min":1,"want":1}}]}}"#
+        );
+        let reason = parse(&s.lease_batch(body.as_bytes()).await)["reason"].to_string();
+        assert!(
+            !reason.contains(&long) && reason.contains(&long[..64]),
+            "{reason}"
+        );
     }
 
     #[tokio::test]

@@ -316,6 +316,51 @@ async fn bad_requests_are_refused_with_reasons() {
     limiter.shutdown().await;
 }
 
+/// A batch repeating a lease id is refused whole, naming the id; nothing in it is decided
+/// (an id names one lease record: two items with it could not both be decided once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_id_repeated_in_one_batch_refuses_the_batch() {
+    let limiter = start(StoreConfig::Memory).await;
+    let addr = limiter.addr();
+    let key = unique("twice");
+    let body = format!(
+        r#"{{"leases":[
+        {{"id":"once","policy":"tenant","key":"{key}","min":1,"want":1}},
+        {{"id":"twice","policy":"tenant","key":"{key}","min":2,"want":2}},
+        {{"id":"twice","policy":"tenant","key":"{key}","min":3,"want":3}}]}}"#
+    );
+    let (status, v) = post(addr, "/v1/leases", &body).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"], "INVALID_REQUEST");
+    let reason = v["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("`twice`") && reason.contains("items 1 and 2"),
+        "{reason}"
+    );
+    assert!(v.get("leases").is_none(), "no per-item answers: {v}");
+    // Nothing was decided: the whole burst of 10 is there, and neither id has a record.
+    let (_, v) = post(
+        addr,
+        "/v1/leases",
+        &lease_body("all", "tenant", &key, 10, 10),
+    )
+    .await;
+    assert_eq!(granted(&v), 10);
+    let (_, v) = post(
+        addr,
+        "/v1/leases",
+        &lease_body("once", "tenant", &key, 1, 1),
+    )
+    .await;
+    assert_eq!(granted(&v), 0, "`once` is decided now, not replayed: {v}");
+    let (_, text) = get(addr, "/metrics").await;
+    assert!(
+        text.contains(r#"tollgate_limiter_http_responses_total{endpoint="leases",status="400"} 1"#),
+        "{text}"
+    );
+    limiter.shutdown().await;
+}
+
 /// A named holder the bucket cannot serve gets a share of the rate for the period, answered
 /// as `share_per_s` and `period_ms`, its `expires_ms` covering the period; a second holder
 /// waits, then both renew into equal halves; the assignment metrics count it all.
