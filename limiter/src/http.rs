@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use tollgate_core::protocol::{BatchError, ErrorCode, LEASES_PATH, MAX_BODY_BYTES, RETURNS_PATH};
+use tollgate_core::protocol::{LEASES_PATH, MAX_BODY_BYTES, RETURNS_PATH};
 
 use crate::service::{Reply, Service};
 use crate::store::Store;
@@ -48,14 +48,10 @@ fn reply(r: Reply) -> Response {
 async fn read_body(body: Body) -> Result<Bytes, Reply> {
     match Limited::new(body, MAX_BODY_BYTES).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            let body = serde_json::to_string(&BatchError {
-                error: ErrorCode::InvalidRequest,
-                reason: Some(format!("body is larger than {MAX_BODY_BYTES} bytes")),
-            })
-            .unwrap_or_default();
-            Err(Reply { status: 413, body })
-        }
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(Reply::refused(
+            413,
+            format!("body is larger than {MAX_BODY_BYTES} bytes"),
+        )),
         Err(e) => Err(Reply::bad_request(format!("cannot read the body: {e}"))),
     }
 }
