@@ -1,8 +1,9 @@
 //! The HTTP face of the limiter: routes, body limits and status codes, nothing else.
 //!
-//! Served by axum on hyper's auto builder, so HTTP/1.1 and HTTP/2 with prior knowledge (h2c,
-//! what Envoy uses to multiplex callouts) share one port. Bodies are read up to
-//! `MAX_BODY_BYTES` and handed to [`crate::service::Service`] as bytes.
+//! Routed by axum; [`crate::server`] serves the router on hyper-util's auto builder, so
+//! HTTP/1.1 and HTTP/2 with prior knowledge (h2c, what Envoy uses to multiplex callouts) share
+//! one port. Bodies are read up to `MAX_BODY_BYTES` and handed to
+//! [`crate::service::Service`] as bytes.
 
 use std::sync::Arc;
 

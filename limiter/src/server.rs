@@ -10,7 +10,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -26,6 +30,52 @@ use crate::store::{
 const ACTIVE_KEYS_EVERY: Duration = Duration::from_secs(5);
 /// How long shutdown waits for in-flight requests.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Most concurrent HTTP/2 streams per connection (`SETTINGS_MAX_CONCURRENT_STREAMS`): hyper's
+/// default, named here next to the reset limits. Envoy's limiter cluster asks for up to 1024
+/// per connection (`envoy/global.yaml`) and opens another connection when the server allows
+/// fewer, which spreads a busy Envoy's callouts over several connection tasks, so over the
+/// runtime's threads.
+pub const MAX_CONCURRENT_STREAMS: u32 = 200;
+
+/// Most streams a client may have reset while they still wait to be accepted, per connection;
+/// beyond it the HTTP/2 stack (h2) answers `GOAWAY ENHANCE_YOUR_CALM` and drops the
+/// connection, with every answer still in flight on it.
+///
+/// h2's default is 20, and a stall reaches it at once: while the limiter does not read (a GC-
+/// like pause of the host, CPU starvation, SIGSTOP), Envoy keeps sending callouts on the same
+/// connection and resets each when its timeout (tens of ms) passes. When the limiter reads
+/// again, the whole backlog — every callout's HEADERS, DATA and RST_STREAM — is parsed in one
+/// pass before a single stream is accepted, so all of them count at once, and the connection
+/// is dropped with the live callouts that came after them.
+///
+/// The limit is what bounds the memory of reset-but-unaccepted streams (about 1-2 KB each:
+/// the stream, its request head and its buffered body) until the accept loop drains them,
+/// which it does as soon as the backlog is parsed. It is the "rapid reset" guard
+/// (CVE-2023-44487) of the accept queue only: it does not bound work — every accepted stream
+/// is served until its first wait whatever the limit — and the limiter serves the mesh's own
+/// Envoys, not the internet. 16 384 covers a stall of several seconds at thousands of
+/// cancelled callouts per second on one connection (Envoy's filter sends at most one callout
+/// per key and worker, and backs a key off for 500 ms after a failure) while capping one
+/// connection's queue at a few tens of MB.
+pub const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 16_384;
+
+/// Most streams the server itself may reset for a client's protocol errors, per connection,
+/// before `GOAWAY ENHANCE_YOUR_CALM`: hyper's default, named here with its sibling above. It
+/// only counts misbehaviour (malformed frames, bad headers), which no stall produces.
+pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1_024;
+
+/// The HTTP server: HTTP/1.1 and HTTP/2 with prior knowledge (h2c, what Envoy uses) on one
+/// port, with the HTTP/2 limits above.
+fn http_builder() -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http2()
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESET_STREAMS)
+        .max_local_error_reset_streams(MAX_LOCAL_ERROR_RESET_STREAMS);
+    builder
+}
 
 /// Which store holds the buckets.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,7 +230,8 @@ impl Running {
         }
     }
 
-    /// Waits until the server stops by itself (it only does on an accept error).
+    /// Waits until the HTTP server stops by itself (only if its task panics: accept errors
+    /// are retried).
     pub async fn stopped(&mut self) {
         if let Some(server) = self.server.as_mut() {
             let _ = server.await;
@@ -272,21 +323,7 @@ pub async fn serve_with_store<S: Store>(
     }));
 
     let app = crate::http::router(service);
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let mut stop = shutdown_rx;
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                while !*stop.borrow() {
-                    if stop.changed().await.is_err() {
-                        return;
-                    }
-                }
-            })
-            .await
-    });
+    let server = tokio::spawn(serve_http(listener, app, shutdown_rx));
     tracing::info!(%addr, "tollgate limiter listening");
     Ok(Running {
         addr,
@@ -294,6 +331,70 @@ pub async fn serve_with_store<S: Store>(
         server: Some(server),
         tasks,
     })
+}
+
+/// Accepts connections until `stop` turns true, then stops accepting and shuts every open
+/// connection down gracefully (HTTP/2: GOAWAY, in-flight streams finish; HTTP/1.1: closed
+/// after the request in flight); returns when the last one is done.
+async fn serve_http(
+    listener: TcpListener,
+    app: Router,
+    mut stop: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let builder = http_builder();
+    let graceful = GracefulShutdown::new();
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = stopped(&mut stop) => break,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _peer)) => tcp,
+            Err(e) => {
+                accept_failed(&e).await;
+                continue;
+            }
+        };
+        let _ = tcp.set_nodelay(true);
+        let connection = builder
+            .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()))
+            .into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                // A client going away mid-request is routine; h2 logs its own protocol
+                // errors (GOAWAY it sends) at warn.
+                tracing::debug!(error = %e, "HTTP connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// Resolves once `stop` is (or turns) true, or its sender is gone.
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    while !*stop.borrow_and_update() {
+        if stop.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// An accept error: a connection that failed before it was accepted is the client's problem;
+/// anything else (out of file descriptors) is logged and retried after a pause, so a full
+/// descriptor table does not spin the loop.
+async fn accept_failed(e: &std::io::Error) {
+    use std::io::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset | ErrorKind::ConnectionRefused
+    ) {
+        return;
+    }
+    tracing::error!(error = %e, "cannot accept a connection; retrying in 1s");
+    tokio::time::sleep(Duration::from_secs(1)).await;
 }
 
 #[cfg(test)]

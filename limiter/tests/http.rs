@@ -1,6 +1,6 @@
 //! The limiter through its HTTP API, started in-process on 127.0.0.1:0: exactness under 64
-//! concurrent connections (memory, Redis, Redis Cluster), dedup by lease id, returns, h2c,
-//! request validation, health/readiness/metrics, policy reload, an unreachable store, and the
+//! concurrent connections (memory, Redis, Redis Cluster), dedup by lease id, returns, h2c (and
+//! its connections surviving a stall's backlog of cancelled streams), request validation, health/readiness/metrics, policy reload, an unreachable store, and the
 //! real binary's flags and signal handling.
 
 // Test code: failing loudly is the point.
@@ -211,6 +211,96 @@ async fn h2c_and_http1_share_the_port() {
     .await;
     assert_eq!(status, 200);
     assert_eq!(granted(&v), 8);
+    limiter.shutdown().await;
+}
+
+/// A stall seen from the server: while the limiter reads nothing, an HTTP/2 client (Envoy)
+/// keeps sending callouts on its connection and cancels each (RST_STREAM) when its timeout
+/// passes; when the limiter reads again it gets the whole backlog at once. Every cancelled
+/// stream is then reset before the server could accept it, and h2 drops a connection with
+/// more of those than `max_pending_accept_reset_streams` (GOAWAY ENHANCE_YOUR_CALM, default
+/// 20) — taking along the callouts still waiting on it. Here 200 cancelled callouts and 10
+/// live ones arrive in one write: the live ones are all answered, on the same connection,
+/// which then keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_of_cancelled_streams_keeps_the_connection_and_its_answers() {
+    const CANCELLED: u64 = 200;
+    const LIVE: u64 = 10;
+    let limiter = start(StoreConfig::Memory).await;
+    let proxy = StallProxy::start(limiter.addr()).await;
+    let stream = tokio::net::TcpStream::connect(proxy.addr()).await.unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+            .await
+            .unwrap();
+    let connection = tokio::spawn(conn);
+    let key = unique("stall");
+    let request = |id: String| {
+        let body = lease_body(&id, "thousand", &key, 1, 1);
+        let mut sender = sender.clone();
+        async move {
+            let request = hyper::Request::post("http://limiter/v1/leases")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body)))
+                .unwrap();
+            let response = sender.send_request(request).await?;
+            let status = response.status().as_u16();
+            let body = response.into_body().collect().await?.to_bytes();
+            Ok::<_, hyper::Error>((status, String::from_utf8_lossy(&body).into_owned()))
+        }
+    };
+    let (status, body) = request("before".into()).await.unwrap();
+    assert_eq!(status, 200, "{body}");
+
+    proxy.stall();
+    // Callouts sent in full, then given up on (their timeout): HEADERS, DATA, RST_STREAM.
+    let cancelled: Vec<_> = (0..CANCELLED)
+        .map(|n| tokio::spawn(request(format!("cancelled-{n}"))))
+        .collect();
+    proxy.wait_for_client(0, 1 + CANCELLED).await;
+    for task in &cancelled {
+        task.abort();
+    }
+    proxy.wait_for_client(CANCELLED, 1 + CANCELLED).await;
+    // Callouts still waiting when the limiter resumes.
+    let live: Vec<_> = (0..LIVE)
+        .map(|n| tokio::spawn(request(format!("live-{n}"))))
+        .collect();
+    proxy.wait_for_client(CANCELLED, 1 + CANCELLED + LIVE).await;
+    let held = proxy.release().await;
+    println!("released {held} bytes: {CANCELLED} cancelled and {LIVE} live requests");
+
+    for (n, task) in live.into_iter().enumerate() {
+        let answer = tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("an answer within 10 s")
+            .unwrap();
+        let (status, body) = answer.unwrap_or_else(|e| panic!("live-{n} lost: {e:?}"));
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(granted(&v), 1, "{v}");
+    }
+    let (status, _) = request("after".into())
+        .await
+        .expect("the connection still serves");
+    assert_eq!(status, 200);
+    assert!(!connection.is_finished(), "the connection was closed");
+    let (_, text) = get(limiter.addr(), "/metrics").await;
+    let granted_total = text
+        .lines()
+        .find(|l| {
+            l.starts_with(
+                r#"tollgate_limiter_decisions_total{outcome="GRANTED",policy="thousand"}"#,
+            )
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or(0);
+    // The cancelled requests were complete when they arrived, so the server may decide some
+    // of them before it sees their reset (a retry of such an id is a replay); every live one
+    // and the two others are decided.
+    println!("decided: {granted_total} grants (2 + {LIVE} live + cancelled ones served)");
+    assert!((2 + LIVE..=2 + LIVE + CANCELLED).contains(&granted_total));
     limiter.shutdown().await;
 }
 

@@ -400,3 +400,164 @@ async fn pump(
         }
     }
 }
+
+/// Counts the HTTP/2 frames a client sends (after the connection preface), by kind.
+#[derive(Debug, Default)]
+pub struct FrameCounter {
+    seen: Vec<u8>,
+    parsed: usize,
+    /// RST_STREAM frames.
+    pub resets: u64,
+    /// HEADERS or DATA frames with END_STREAM: requests sent in full.
+    pub ends_of_stream: u64,
+}
+
+impl FrameCounter {
+    const PREFACE: usize = 24;
+
+    fn feed(&mut self, bytes: &[u8]) {
+        self.seen.extend_from_slice(bytes);
+        if self.parsed == 0 {
+            if self.seen.len() < Self::PREFACE {
+                return;
+            }
+            self.parsed = Self::PREFACE;
+        }
+        while let Some(header) = self.seen.get(self.parsed..self.parsed + 9) {
+            let len =
+                usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
+            let (kind, flags) = (header[3], header[4]);
+            if self.seen.len() < self.parsed + 9 + len {
+                return;
+            }
+            match kind {
+                0x3 => self.resets += 1,
+                0x0 | 0x1 if flags & 0x1 != 0 => self.ends_of_stream += 1,
+                _ => {}
+            }
+            self.parsed += 9 + len;
+        }
+    }
+}
+
+/// A TCP proxy on 127.0.0.1 for one connection that can *stall* the client→server direction:
+/// while stalled it forwards nothing and keeps what the client sends; [`StallProxy::release`]
+/// hands all of it to the server in one write. That is what a server sees after its process
+/// was stopped (SIGSTOP, a long pause) and resumed: everything its clients sent meanwhile,
+/// at once, in order. It counts the client's HTTP/2 frames, so a test can wait for exactly
+/// what it needs to have been sent.
+pub struct StallProxy {
+    addr: SocketAddr,
+    shared: std::sync::Arc<StallShared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct StallShared {
+    /// `(stalled, bytes held while stalled, client frames)`.
+    state: std::sync::Mutex<(bool, Vec<u8>, FrameCounter)>,
+    to_server: tokio::sync::Mutex<Option<tokio::net::tcp::OwnedWriteHalf>>,
+}
+
+impl StallProxy {
+    pub async fn start(target: SocketAddr) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shared = std::sync::Arc::new(StallShared::default());
+        let task = tokio::spawn({
+            let shared = shared.clone();
+            async move {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let server = tokio::net::TcpStream::connect(target).await.unwrap();
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, sw) = server.into_split();
+                *shared.to_server.lock().await = Some(sw);
+                let back = tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                });
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match cr.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    {
+                        let mut state = shared.state.lock().unwrap();
+                        state.2.feed(&buf[..n]);
+                        if state.0 {
+                            state.1.extend_from_slice(&buf[..n]);
+                            continue;
+                        }
+                    }
+                    let mut to = shared.to_server.lock().await;
+                    if to.as_mut().unwrap().write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                back.abort();
+            }
+        });
+        Self { addr, shared, task }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// From now on the server receives nothing.
+    pub fn stall(&self) {
+        self.shared.state.lock().unwrap().0 = true;
+    }
+
+    /// `(resets, ends_of_stream)` the client has sent so far (held or forwarded).
+    pub fn client_frames(&self) -> (u64, u64) {
+        let state = self.shared.state.lock().unwrap();
+        (state.2.resets, state.2.ends_of_stream)
+    }
+
+    /// Waits (bounded) until the client has sent at least `resets` RST_STREAMs and `ends`
+    /// complete requests.
+    pub async fn wait_for_client(&self, resets: u64, ends: u64) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (r, e) = self.client_frames();
+            if r >= resets && e >= ends {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the client sent {r} resets and {e} requests, not {resets} and {ends}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Hands everything held to the server in one write; forwards normally from then on.
+    /// Returns how many bytes were held.
+    pub async fn release(&self) -> usize {
+        use tokio::io::AsyncWriteExt;
+        let mut to = self.shared.to_server.lock().await;
+        let held = {
+            let mut state = self.shared.state.lock().unwrap();
+            state.0 = false;
+            std::mem::take(&mut state.1)
+        };
+        to.as_mut()
+            .expect("a connection")
+            .write_all(&held)
+            .await
+            .unwrap();
+        held.len()
+    }
+}
+
+impl Drop for StallProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
