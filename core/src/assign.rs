@@ -186,9 +186,11 @@ pub fn allot(
         );
     };
     let room = had_holding || holdings.len() < MAX_HOLDERS;
-    if granted >= want || !room {
-        // A lease is enough (or no room to assign): remember the holder while its tokens may
-        // still come back, so others' denials know budget is parked here.
+    if available >= want as f64 || !room {
+        // The bucket holds what the demand asks for: below the limit, a lease (sized by the
+        // fill ratio) is the answer (also when there is no room to assign). Remember the
+        // holder while its tokens may still come back, so others' denials know budget is
+        // parked here.
         if room && granted > 0 {
             holdings.push(Holding {
                 holder: holder.to_owned(),
@@ -207,7 +209,7 @@ pub fn allot(
     // out now (fill scaling keeps leases small below the limit; over it, what stayed in the
     // bucket while shares run would go unused)...
     if available >= min as f64 {
-        granted = want.min(available as u64);
+        granted = available as u64;
         bucket.tokens = (tokens - granted as f64).max(0.0);
     }
     // ...and a share of the rate by demand, within what other holders leave free.

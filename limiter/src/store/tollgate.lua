@@ -171,9 +171,11 @@ local function allot(cap, rate, s, now, min, want, holder, demand, period, lease
     return granted, retry, 0, 0
   end
   local room = had_holding or #s.holdings < MAX_HOLDERS
-  if granted >= want or not room then
-    -- A lease is enough (or no room to assign): remember the holder while its tokens may
-    -- still come back, so others' denials know budget is parked here.
+  if available >= want or not room then
+    -- The bucket holds what the demand asks for: below the limit, a lease (sized by the
+    -- fill ratio) is the answer (also when there is no room to assign). Remember the
+    -- holder while its tokens may still come back, so others' denials know budget is
+    -- parked here.
     if room and granted > 0 then
       s.holdings[#s.holdings + 1] =
         { holder = holder, share = 0, ends = now + lease_ttl, demand = demand, dirty = true }
@@ -185,7 +187,7 @@ local function allot(cap, rate, s, now, min, want, holder, demand, period, lease
   -- out now (fill scaling keeps leases small below the limit; over it, what stayed in the
   -- bucket while shares run would go unused)...
   if available >= min then
-    granted = math.min(want, available)
+    granted = available
     s.tokens = tokens - granted
     if s.tokens < 0 then
       s.tokens = 0
