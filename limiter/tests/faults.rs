@@ -1,7 +1,8 @@
 //! The limiter when Redis misbehaves: functions gone (flushed, or a restart without
-//! persistence), a stalled server (SIGSTOP), and Redis Cluster primaries failing over
-//! (CLUSTER FAILOVER, and SIGKILL). It must never invent a decision, must answer within its
-//! store timeout, must recover by itself, and must keep exactly-once accounting per lease id;
+//! persistence), a stalled server (SIGSTOP), connections that go silent (one Redis, and a
+//! Redis Cluster), and Redis Cluster primaries failing over (CLUSTER FAILOVER, and SIGKILL).
+//! It must never invent a decision, must answer within its store timeout, must recover by
+//! itself, and must keep exactly-once accounting per lease id;
 //! for the killed primary, where asynchronous replication can lose acknowledged writes, the
 //! test measures and prints the overshoot instead of pretending it is zero.
 
@@ -252,14 +253,113 @@ async fn a_silently_dead_connection_is_replaced() {
             None => unavailable += 1,
         }
         assert!(
-            silenced.elapsed()
-                < tollgate_limiter::store::single::RECONNECT_AFTER + Duration::from_secs(5),
+            silenced.elapsed() < tollgate_limiter::store::RECONNECT_AFTER + Duration::from_secs(5),
             "still UNAVAILABLE; the silent connection was never replaced"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     println!("silent connection replaced: decisions again after {recovered:?} ({unavailable} UNAVAILABLE)");
-    assert!(recovered >= tollgate_limiter::store::single::RECONNECT_AFTER);
+    assert!(recovered >= tollgate_limiter::store::RECONNECT_AFTER);
+    limiter.shutdown().await;
+}
+
+/// The ports `CLUSTER SLOTS` names as slot owners.
+fn slot_owner_ports(slots: &tollgate_e2e::Resp) -> std::collections::BTreeSet<u16> {
+    slots
+        .as_array()
+        .unwrap_or_else(|| panic!("CLUSTER SLOTS: {slots:?}"))
+        .iter()
+        .filter_map(|range| range.as_array()?.get(2)?.as_array()?.get(1)?.as_int())
+        .map(|port| u16::try_from(port).unwrap())
+        .collect()
+}
+
+/// The cluster store's connections go silent (no reset, no close): a vanished peer or a
+/// partition between the limiter and the cluster. The client's own per-attempt timeout never
+/// fires (the service gives up on a call first) and a timeout never makes it reconnect, so
+/// every call would time out forever; the store notices the silence of a node and replaces
+/// its cluster connection, so decisions resume by themselves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silently_dead_cluster_connection_is_replaced() {
+    let cluster = tokio::task::block_in_place(|| RedisCluster::start(3, 0));
+    // Each node announces a proxy in front of it, so every connection the client opens —
+    // to the seed URLs and to the nodes `CLUSTER SLOTS` names — goes through one.
+    let mut proxies = Vec::new();
+    for server in cluster.servers() {
+        let proxy = BlackholeProxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
+        let port = proxy.addr().port().to_string();
+        assert_eq!(
+            server.cli(&["CONFIG", "SET", "cluster-announce-port", &port]),
+            "OK"
+        );
+        proxies.push(proxy);
+    }
+    let proxied: std::collections::BTreeSet<u16> =
+        proxies.iter().map(|p| p.addr().port()).collect();
+    let announced = Instant::now();
+    for server in cluster.servers() {
+        // Every node names every primary by its proxy once the announcement has spread.
+        loop {
+            let named = slot_owner_ports(&server.cmd(&["CLUSTER", "SLOTS"]));
+            if named == proxied {
+                break;
+            }
+            assert!(
+                announced.elapsed() < Duration::from_secs(15),
+                "node {} names primaries {named:?}, not the proxies {proxied:?}",
+                server.port()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let urls = proxies
+        .iter()
+        .map(|p| format!("redis://{}", p.addr()))
+        .collect();
+    let mut config = config(StoreConfig::Cluster(urls));
+    config.store_timeout = Duration::from_millis(200);
+    let limiter = start_with(config).await;
+    let addr = limiter.addr();
+    for _ in 0..10 {
+        assert_eq!(
+            lease_once(addr, "tenant", &unique("alive"), 1).await,
+            Some(1)
+        );
+    }
+
+    for proxy in &proxies {
+        proxy.blackhole_existing();
+    }
+    let silenced = Instant::now();
+    let mut unavailable = 0;
+    let recovered = loop {
+        // A fresh key per probe, so probes land on every primary.
+        match lease_once(addr, "tenant", &unique("probe"), 1).await {
+            Some(g) => {
+                assert_eq!(g, 1);
+                break silenced.elapsed();
+            }
+            None => unavailable += 1,
+        }
+        assert!(
+            silenced.elapsed() < tollgate_limiter::store::RECONNECT_AFTER + Duration::from_secs(5),
+            "still UNAVAILABLE; the silent cluster connection was never replaced"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!(
+        "silent cluster connection replaced: decisions again after {recovered:?} \
+         ({unavailable} UNAVAILABLE)"
+    );
+    assert!(unavailable > 0, "the silence was noticed by callers first");
+    assert!(recovered >= tollgate_limiter::store::RECONNECT_AFTER);
+    // Every primary decides again (each of 30 fresh tenants, spread over the slots).
+    for _ in 0..30 {
+        assert_eq!(
+            lease_once(addr, "tenant", &unique("after"), 1).await,
+            Some(1)
+        );
+    }
     limiter.shutdown().await;
 }
 

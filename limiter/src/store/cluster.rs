@@ -7,14 +7,23 @@
 //! state. The function library is loaded on every primary at start and again on any primary
 //! that reports it missing (a node that lost it), then the call is retried once.
 //!
-//! For metrics only, the store keeps its own slot → primary map (`CLUSTER SLOTS`, refreshed
-//! every few seconds and after errors) so latency and errors can be labelled by node, and the
-//! active-keys gauge can ask each primary for `DBSIZE`.
+//! The store keeps its own slot → primary map (`CLUSTER SLOTS`, refreshed every few seconds
+//! and after errors) so latency and errors can be labelled by node, the active-keys gauge can
+//! ask each primary for `DBSIZE`, and silence can be watched per node.
+//!
+//! The client reconnects to a node when its connection reports an error, never when it just
+//! stops answering (a vanished peer, a partition): its per-attempt response timeout is longer
+//! than the service's store timeout, so callers give up first, and a timeout makes it retry
+//! on the same connection anyway. So the store watches each primary (`store::watchdog`): when
+//! a call to one has waited longer than [`RECONNECT_AFTER`] with no answer from it since, the
+//! whole cluster connection is replaced (the client has no way to reconnect one node) — the
+//! new one reconnects to every node and reads the slot map afresh; calls in flight on the old
+//! one finish or time out as they would have.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use redis::cluster::ClusterClientBuilder;
+use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo, SingleNodeRoutingInfo,
@@ -24,6 +33,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use super::script::{self, Reloader};
+use super::watchdog::{Watchdog, RECONNECT_AFTER};
 use super::{LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -110,7 +120,10 @@ impl SlotMap {
 
 /// A Redis Cluster.
 pub struct RedisClusterStore {
-    conn: ClusterConnection,
+    client: ClusterClient,
+    /// The connection every call clones; replaced by [`Self::connection`] after a silence.
+    conn: Arc<RwLock<ClusterConnection>>,
+    watchdog: Watchdog,
     settings: StoreSettings,
     reloader: Reloader,
     slots: Arc<RwLock<SlotMap>>,
@@ -133,6 +146,23 @@ impl Drop for RedisClusterStore {
     }
 }
 
+/// Node label of calls whose node the slot map does not know (yet).
+const UNKNOWN_NODE: &str = "unknown";
+
+fn connection_config() -> ClusterConfig {
+    ClusterConfig::new()
+        .set_connection_timeout(CONNECT_TIMEOUT)
+        .set_response_timeout(RESPONSE_TIMEOUT)
+}
+
+/// The current connection (a cheap clone of the handle).
+fn current(conn: &RwLock<ClusterConnection>) -> ClusterConnection {
+    match conn.read() {
+        Ok(conn) => conn.clone(),
+        Err(poisoned) => poisoned.into_inner().clone(),
+    }
+}
+
 impl RedisClusterStore {
     /// A store for the cluster reachable through any of `urls`. Connects in the background
     /// (an unreachable cluster makes calls fail and `/readyz` say so). Needs a tokio runtime.
@@ -148,20 +178,20 @@ impl RedisClusterStore {
             .max_retry_wait(200)
             .build()
             .map_err(|e| StoreError::Config(format!("redis cluster {urls:?}: {e}")))?;
-        let conn = client.get_pending_async_connection_with_config(
-            redis::cluster::ClusterConfig::new()
-                .set_connection_timeout(CONNECT_TIMEOUT)
-                .set_response_timeout(RESPONSE_TIMEOUT),
-        );
+        let conn = Arc::new(RwLock::new(
+            client.get_pending_async_connection_with_config(connection_config()),
+        ));
         let slots = Arc::new(RwLock::new(SlotMap::default()));
         let refresh = Arc::new(Notify::new());
         let refresher = tokio::spawn(refresh_slot_map(
-            conn.clone(),
+            Arc::clone(&conn),
             Arc::clone(&slots),
             Arc::clone(&refresh),
         ));
         Ok(Self {
+            client,
             conn,
+            watchdog: Watchdog::default(),
             settings,
             reloader: Reloader::default(),
             slots,
@@ -184,31 +214,87 @@ impl RedisClusterStore {
 
     /// Refreshes the metrics slot map now and waits for it.
     pub async fn refresh_slot_map(&self) -> Result<(), StoreError> {
-        let map = fetch_slot_map(&self.conn).await?;
+        let map = fetch_slot_map(&current(&self.conn)).await?;
         if let Ok(mut slots) = self.slots.write() {
             *slots = map;
         }
         Ok(())
     }
 
-    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
-        let mut conn = self.conn.clone();
-        cmd.query_async::<Value>(&mut conn)
-            .await
-            .and_then(Value::extract_error)
+    /// The connection for a call to `nodes`, replaced first if one of them has gone silent.
+    fn connection(&self, nodes: &[String]) -> ClusterConnection {
+        let mut silent = None;
+        for node in nodes {
+            if self.watchdog.call_starts(node, RECONNECT_AFTER) {
+                silent = Some(node);
+            }
+        }
+        if let Some(node) = silent {
+            tracing::warn!(%node, after = ?RECONNECT_AFTER,
+                "no answer from a Redis Cluster node; replacing the cluster connection");
+            let fresh = self
+                .client
+                .get_pending_async_connection_with_config(connection_config());
+            match self.conn.write() {
+                Ok(mut conn) => *conn = fresh,
+                Err(poisoned) => *poisoned.into_inner() = fresh,
+            }
+            self.watchdog.reset();
+            for node in nodes {
+                let _ = self.watchdog.call_starts(node, RECONNECT_AFTER);
+            }
+            self.refresh.notify_one();
+        }
+        current(&self.conn)
     }
 
+    /// The primary owning `key`'s slot, as the metrics map knows it.
+    fn node_of(&self, key: &str) -> String {
+        self.owner_of_slot(slot_of_key(key))
+            .unwrap_or_else(|| UNKNOWN_NODE.to_owned())
+    }
+
+    /// Every primary the metrics map knows.
+    fn primaries(&self) -> Vec<String> {
+        let primaries = self.slot_map().primaries();
+        if primaries.is_empty() {
+            vec![UNKNOWN_NODE.to_owned()]
+        } else {
+            primaries
+        }
+    }
+
+    /// A keyed call on `node`'s primary. A reply of any kind, even an error, shows the node
+    /// answers; only a timeout does not.
+    async fn query(&self, node: &str, cmd: &Cmd) -> Result<Value, RedisError> {
+        let mut conn = self.connection(std::slice::from_ref(&node.to_owned()));
+        let result = cmd.query_async::<Value>(&mut conn).await;
+        if !matches!(&result, Err(e) if e.is_timeout()) {
+            self.watchdog.answered(node);
+        }
+        result.and_then(Value::extract_error)
+    }
+
+    /// A call on every primary. Only a full answer vouches for every primary (an early error
+    /// from one says nothing about the others).
     async fn on_every_primary(&self, cmd: Cmd) -> Result<Value, RedisError> {
-        let mut conn = self.conn.clone();
-        conn.route_command(
-            cmd,
-            RoutingInfo::MultiNode((
-                MultipleNodeRoutingInfo::AllMasters,
-                Some(ResponsePolicy::AllSucceeded),
-            )),
-        )
-        .await
-        .and_then(Value::extract_error)
+        let primaries = self.primaries();
+        let mut conn = self.connection(&primaries);
+        let result = conn
+            .route_command(
+                cmd,
+                RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                )),
+            )
+            .await;
+        if result.is_ok() {
+            for node in &primaries {
+                self.watchdog.answered(node);
+            }
+        }
+        result.and_then(Value::extract_error)
     }
 
     /// Loads (or replaces) the `tollgate_v2` library on every primary.
@@ -219,14 +305,18 @@ impl RedisClusterStore {
             .map_err(|e| script::map_error(&e))
     }
 
-    /// Runs a keyed function call; reloads the library and retries once if a node lacks it.
-    async fn call(&self, cmd: &Cmd) -> Result<Value, StoreError> {
+    /// Runs a function call on the primary owning `key`; reloads the library and retries
+    /// once if a node lacks it.
+    async fn call(&self, key: &str, cmd: &Cmd) -> Result<Value, StoreError> {
+        let node = self.node_of(key);
         let seen = self.reloader.generation();
-        let result = match self.query(cmd).await {
+        let result = match self.query(&node, cmd).await {
             Err(e) if script::is_function_missing(&e) => {
                 tracing::warn!("tollgate functions missing on a cluster node; loading them");
                 self.reloader.reload(seen, || self.load_library()).await?;
-                self.query(cmd).await.map_err(|e| script::map_error(&e))
+                self.query(&node, cmd)
+                    .await
+                    .map_err(|e| script::map_error(&e))
             }
             other => other.map_err(|e| script::map_error(&e)),
         };
@@ -250,14 +340,15 @@ async fn fetch_slot_map(conn: &ClusterConnection) -> Result<SlotMap, StoreError>
     SlotMap::parse(&reply)
 }
 
-/// Keeps the metrics slot map fresh: every [`SLOT_MAP_REFRESH`], and when notified.
+/// Keeps the slot map fresh: every [`SLOT_MAP_REFRESH`], and when notified (always on the
+/// current connection).
 async fn refresh_slot_map(
-    conn: ClusterConnection,
+    conn: Arc<RwLock<ClusterConnection>>,
     slots: Arc<RwLock<SlotMap>>,
     notify: Arc<Notify>,
 ) {
     loop {
-        match tokio::time::timeout(RESPONSE_TIMEOUT, fetch_slot_map(&conn)).await {
+        match tokio::time::timeout(RESPONSE_TIMEOUT, fetch_slot_map(&current(&conn))).await {
             Ok(Ok(map)) => {
                 if let Ok(mut current) = slots.write() {
                     if *current != map {
@@ -277,12 +368,18 @@ async fn refresh_slot_map(
 
 impl Store for RedisClusterStore {
     async fn lease(&self, items: &[LeaseItem]) -> Result<LeaseOutcome, StoreError> {
-        let reply = self.call(&script::lease_cmd(items, &self.settings)).await?;
+        let key = items
+            .first()
+            .map(|item| item.key.as_str())
+            .unwrap_or_default();
+        let reply = self
+            .call(key, &script::lease_cmd(items, &self.settings))
+            .await?;
         script::parse_lease_reply(&reply, items.len())
     }
 
     async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {
-        let reply = self.call(&script::return_cmd(item)).await?;
+        let reply = self.call(&item.key, &script::return_cmd(item)).await?;
         script::parse_return_reply(&reply)
     }
 
@@ -313,7 +410,7 @@ impl Store for RedisClusterStore {
             let Ok(port) = port.parse::<u16>() else {
                 continue;
             };
-            let mut conn = self.conn.clone();
+            let mut conn = current(&self.conn);
             let reply = conn
                 .route_command(
                     redis::cmd("DBSIZE"),
@@ -332,8 +429,7 @@ impl Store for RedisClusterStore {
     }
 
     fn node_for(&self, key: &str) -> String {
-        self.owner_of_slot(slot_of_key(key))
-            .unwrap_or_else(|| "unknown".to_owned())
+        self.node_of(key)
     }
 
     fn kind(&self) -> &'static str {

@@ -23,11 +23,13 @@ pub mod single;
 
 mod any;
 pub(crate) mod script;
+mod watchdog;
 
 pub use any::AnyStore;
 pub use cluster::RedisClusterStore;
 pub use memory::MemoryStore;
 pub use single::RedisStore;
+pub use watchdog::RECONNECT_AFTER;
 
 /// How much longer than a full refill a bucket's state is kept after its last write: state
 /// idle that long describes a full bucket, so dropping it and recreating it full is exact.

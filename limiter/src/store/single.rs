@@ -9,65 +9,23 @@
 //!
 //! The manager only reconnects when the connection reports an error. A connection that just
 //! stops answering (a peer that vanished without a reset, a partition) reports nothing: every
-//! call would time out forever. So the store watches for that: when a call has waited longer
-//! than [`RECONNECT_AFTER`] with no answer of any kind since, the connection is replaced.
+//! call would time out forever. So the store watches for that (`store::watchdog`): when a
+//! call has waited longer than [`RECONNECT_AFTER`] with no answer of any kind since, the
+//! connection is replaced.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, Value};
 
 use super::script::{self, Reloader};
+use super::watchdog::{Watchdog, RECONNECT_AFTER};
 use super::{LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings};
 
 /// How long one connection attempt may take (calls themselves are bounded by the service's
 /// store timeout).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// How long the oldest unanswered call may wait before the connection is replaced.
-pub const RECONNECT_AFTER: Duration = Duration::from_secs(3);
-
-/// Detects a connection that stopped answering: remembers when the oldest call still waiting
-/// for an answer started; any answer clears it.
-#[derive(Debug)]
-struct Watchdog {
-    epoch: Instant,
-    /// Milliseconds since `epoch` (+1, so 0 means "nothing waiting").
-    oldest_waiting: AtomicU64,
-}
-
-impl Watchdog {
-    fn new() -> Self {
-        Self {
-            epoch: Instant::now(),
-            oldest_waiting: AtomicU64::new(0),
-        }
-    }
-
-    fn now(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis())
-            .unwrap_or(u64::MAX)
-            .saturating_add(1)
-    }
-
-    /// A call starts; whether the connection has been silent too long.
-    fn call_starts(&self, after: Duration) -> bool {
-        let now = self.now();
-        let _ = self
-            .oldest_waiting
-            .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
-        let oldest = self.oldest_waiting.load(Ordering::Acquire);
-        let after = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
-        oldest != 0 && now.saturating_sub(oldest) > after
-    }
-
-    /// The server answered (anything, even an error reply): the connection is alive.
-    fn answered(&self) {
-        self.oldest_waiting.store(0, Ordering::Release);
-    }
-}
 
 /// A single Redis server.
 pub struct RedisStore {
@@ -109,7 +67,7 @@ impl RedisStore {
         Ok(Self {
             client,
             conn: RwLock::new(conn),
-            watchdog: Watchdog::new(),
+            watchdog: Watchdog::default(),
             address,
             settings,
             reloader: Reloader::default(),
@@ -118,7 +76,7 @@ impl RedisStore {
 
     /// The connection to use for the next call, replaced first if it has gone silent.
     fn connection(&self) -> ConnectionManager {
-        if self.watchdog.call_starts(RECONNECT_AFTER) {
+        if self.watchdog.call_starts(&self.address, RECONNECT_AFTER) {
             match ConnectionManager::new_lazy_with_config(self.client.clone(), connection_config())
             {
                 Ok(fresh) => {
@@ -131,7 +89,7 @@ impl RedisStore {
                 }
                 Err(e) => tracing::warn!(node = %self.address, error = %e, "cannot reconnect"),
             }
-            self.watchdog.answered();
+            self.watchdog.reset();
         }
         match self.conn.read() {
             Ok(conn) => conn.clone(),
@@ -150,7 +108,7 @@ impl RedisStore {
         // A reply, even an error reply, proves the connection is alive; transport errors
         // are the manager's to handle.
         if !matches!(&result, Err(e) if e.is_io_error()) {
-            self.watchdog.answered();
+            self.watchdog.answered(&self.address);
         }
         result.and_then(Value::extract_error)
     }
@@ -214,25 +172,5 @@ impl Store for RedisStore {
 
     fn kind(&self) -> &'static str {
         "redis"
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn watchdog_fires_only_after_a_long_silence() {
-        let w = Watchdog::new();
-        let after = Duration::from_millis(30);
-        assert!(!w.call_starts(after));
-        assert!(!w.call_starts(after), "a second call while the first waits");
-        std::thread::sleep(Duration::from_millis(40));
-        assert!(w.call_starts(after), "the oldest call waited too long");
-        w.answered();
-        assert!(!w.call_starts(after), "an answer resets it");
-        std::thread::sleep(Duration::from_millis(40));
-        w.answered();
-        assert!(!w.call_starts(after), "idle time is not silence");
     }
 }
