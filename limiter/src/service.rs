@@ -129,13 +129,13 @@ impl<S: Store> Service<S> {
         let plan = validate::plan_leases(&policies, &requests);
 
         let outcomes = join_all(plan.units.iter().map(|unit| {
-            let items = plan.unit_items(unit);
+            let items = &unit.items;
             async move {
                 let node = items
                     .first()
                     .map(|item| self.store.node_for(&item.key))
                     .unwrap_or_default();
-                let result = self.timed(&node, "lease", self.store.lease(&items)).await;
+                let result = self.timed(&node, "lease", self.store.lease(items)).await;
                 answer::unit_grants(items.len(), result)
             }
         }))

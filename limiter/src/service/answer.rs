@@ -119,21 +119,18 @@ pub fn per_item(
     plan: &LeasePlan,
     outcomes: Vec<Result<Vec<Grant>, StoreError>>,
 ) -> Vec<Result<Grant, ItemError>> {
+    // Unit members are positions in the batch, so they index `answers` (one per item).
     let mut answers: Vec<Option<Result<Grant, ItemError>>> = vec![None; plan.items.len()];
     for (unit, outcome) in plan.units.iter().zip(outcomes) {
         match outcome {
             Ok(grants) => {
-                for (&i, grant) in unit.iter().zip(grants) {
-                    if let Some(slot) = answers.get_mut(i) {
-                        *slot = Some(Ok(grant));
-                    }
+                for (&i, grant) in unit.members.iter().zip(grants) {
+                    answers[i] = Some(Ok(grant));
                 }
             }
             Err(e) => {
-                for &i in unit {
-                    if let Some(slot) = answers.get_mut(i) {
-                        *slot = Some(Err(ItemError::unavailable(e.to_string())));
-                    }
+                for &i in &unit.members {
+                    answers[i] = Some(Err(ItemError::unavailable(e.to_string())));
                 }
             }
         }
@@ -378,7 +375,8 @@ mod tests {
             {"id":"bad","policy":"nope","key":"acme","min":1,"want":1},
             {"id":"grouped-2","policy":"g","key":"acme","min":1,"want":1,"group":"x"}]}"#,
         );
-        assert_eq!(plan.units, [vec![1], vec![0, 3]]);
+        let members: Vec<&[usize]> = plan.units.iter().map(|u| u.members.as_slice()).collect();
+        assert_eq!(members, [&[1][..], &[0, 3][..]]);
         let answers = per_item(
             &plan,
             vec![

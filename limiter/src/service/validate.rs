@@ -62,22 +62,21 @@ impl ItemError {
 }
 
 /// A lease batch as the store will be asked it: per request (same order) its validated item
-/// or why it is not asked, and the units (indices into the batch) decided one store call
-/// each.
+/// or why it is not asked, and the units, each decided in one store call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeasePlan {
     pub items: Vec<Result<LeaseItem, ItemError>>,
     /// Each ungrouped valid item alone, each valid group together (in batch order within it).
-    pub units: Vec<Vec<usize>>,
+    pub units: Vec<Unit>,
 }
 
-impl LeasePlan {
-    /// The items of one unit, in order (a unit only ever holds valid items).
-    pub fn unit_items(&self, unit: &[usize]) -> Vec<LeaseItem> {
-        unit.iter()
-            .filter_map(|&i| self.items.get(i).and_then(|r| r.as_ref().ok()).cloned())
-            .collect()
-    }
+/// Items decided in one store call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unit {
+    /// Their positions in the batch.
+    pub members: Vec<usize>,
+    /// The items, in the order of `members`.
+    pub items: Vec<LeaseItem>,
 }
 
 /// Parses `POST /v1/leases`: the JSON shape, the batch size, and ids unique in the batch.
@@ -162,7 +161,8 @@ pub fn truncate(s: &str, max: usize) -> &str {
     while !s.is_char_boundary(end) {
         end -= 1;
     }
-    s.get(..end).unwrap_or_default()
+    // `end` is a char boundary within `s` (0 always is).
+    &s[..end]
 }
 
 /// One lease request against the policy document.
@@ -244,19 +244,20 @@ pub fn validate_return(policies: &Policies, r: &LeaseReturn) -> Result<ReturnIte
     })
 }
 
-/// Splits the valid items into units (indices into the batch): each ungrouped item alone,
-/// each group together. Invalidates whole groups that cannot be decided atomically.
-fn form_units(
-    requests: &[LeaseRequest],
-    items: &mut [Result<LeaseItem, ItemError>],
-) -> Vec<Vec<usize>> {
-    let mut units: Vec<Vec<usize>> = Vec::new();
+/// Splits the valid items into units: each ungrouped item alone, each group together.
+/// Invalidates whole groups that cannot be decided atomically. `items[i]` is `requests[i]`
+/// validated (same length), so the positions below index both.
+fn form_units(requests: &[LeaseRequest], items: &mut [Result<LeaseItem, ItemError>]) -> Vec<Unit> {
+    let mut units = Vec::new();
     let mut groups: Vec<(&str, Vec<usize>)> = Vec::new();
-    for (i, request) in requests.iter().enumerate() {
+    for (i, (request, item)) in requests.iter().zip(items.iter()).enumerate() {
         match &request.group {
             None => {
-                if items.get(i).is_some_and(|r| r.is_ok()) {
-                    units.push(vec![i]);
+                if let Ok(item) = item {
+                    units.push(Unit {
+                        members: vec![i],
+                        items: vec![item.clone()],
+                    });
                 }
             }
             Some(group) => match groups.iter_mut().find(|(g, _)| g == group) {
@@ -266,39 +267,38 @@ fn form_units(
         }
     }
     for (group, members) in groups {
-        let invalid = members
+        let valid: Result<Vec<LeaseItem>, usize> = members
             .iter()
-            .find(|&&i| items.get(i).is_some_and(|r| r.is_err()))
-            .and_then(|&i| requests.get(i).map(|r| r.id.as_str()));
-        let tags: HashSet<&str> = members
-            .iter()
-            .filter_map(|&i| requests.get(i).map(|r| key::hash_tag(&r.key)))
+            .map(|&i| items[i].as_ref().cloned().map_err(|_| i))
             .collect();
-        let reason = if let Some(id) = invalid {
-            Some(format!(
+        let reason = match valid {
+            Err(invalid) => format!(
                 "item `{}` of group `{}` is invalid, so the group cannot be decided",
-                truncate(id, QUOTE_BYTES),
+                truncate(&requests[invalid].id, QUOTE_BYTES),
                 truncate(group, QUOTE_BYTES)
-            ))
-        } else if tags.len() > 1 {
-            Some(format!(
-                "keys of group `{}` do not share a hash tag (their first part), so they cannot be decided in one atomic step",
-                truncate(group, QUOTE_BYTES)
-            ))
-        } else {
-            None
-        };
-        match reason {
-            Some(reason) => {
-                for &i in &members {
-                    if let Some(item) = items.get_mut(i) {
-                        if item.is_ok() {
-                            *item = Err(ItemError::request(reason.clone()));
-                        }
-                    }
+            ),
+            Ok(group_items) => {
+                let tags: HashSet<&str> = group_items
+                    .iter()
+                    .map(|item| key::hash_tag(&item.key))
+                    .collect();
+                if tags.len() <= 1 {
+                    units.push(Unit {
+                        members,
+                        items: group_items,
+                    });
+                    continue;
                 }
+                format!(
+                    "keys of group `{}` do not share a hash tag (their first part), so they cannot be decided in one atomic step",
+                    truncate(group, QUOTE_BYTES)
+                )
             }
-            None => units.push(members),
+        };
+        for &i in &members {
+            if items[i].is_ok() {
+                items[i] = Err(ItemError::request(reason.clone()));
+            }
         }
     }
     units
@@ -327,6 +327,10 @@ mod tests {
     fn plan(body: &str) -> LeasePlan {
         let requests = parse_leases(body.as_bytes()).unwrap();
         plan_leases(&policies(), &requests)
+    }
+
+    fn members(plan: &LeasePlan) -> Vec<Vec<usize>> {
+        plan.units.iter().map(|u| u.members.clone()).collect()
     }
 
     fn error(plan: &LeasePlan, i: usize) -> &ItemError {
@@ -417,7 +421,7 @@ mod tests {
         assert!(error(&p, 6).reason.contains("burst 10"));
         let low = p.items[8].as_ref().unwrap();
         assert_eq!((low.min, low.want), (3, 3), "want below min is min");
-        assert_eq!(p.units, [vec![0], vec![8]]);
+        assert_eq!(members(&p), [vec![0], vec![8]]);
         let over = "x".repeat(MAX_LEASE_ID_BYTES + 1);
         let long_id = LeaseRequest {
             id: over,
@@ -444,8 +448,9 @@ mod tests {
             {"id":"c","policy":"g","key":"acme","min":1,"want":1,"group":"z"},
             {"id":"d","policy":"nope","key":"acme","min":1,"want":1,"group":"z"}]}"#,
         );
-        assert_eq!(p.units, [vec![1], vec![0, 2]]);
-        assert_eq!(p.unit_items(&[0, 2]).len(), 2);
+        assert_eq!(members(&p), [vec![1], vec![0, 2]]);
+        let ids: Vec<&str> = p.units[1].items.iter().map(|i| i.id.as_str()).collect();
+        assert_eq!(ids, ["t", "r"], "a group's items in batch order");
         for i in [3, 4] {
             assert!(error(&p, i).reason.contains("hash tag"), "{i}");
         }

@@ -290,15 +290,15 @@ impl MemoryStore {
         inner.sweep(now);
         let terms = self.settings.terms();
 
+        // Indexed by item position (`i`, from `enumerate`) and by position in `touched` (`at`,
+        // from `position` or the push just made).
         let mut grants: Vec<Option<Grant>> = vec![None; items.len()];
         let mut touched: Vec<Touched> = Vec::new();
         // (item index, its allotment, index into `touched`)
         let mut decided: Vec<(usize, Allotment, usize)> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             if let Some(record) = inner.lease(&item.lease_key(), now) {
-                if let Some(slot) = grants.get_mut(i) {
-                    *slot = Some(record.replay());
-                }
+                grants[i] = Some(record.replay());
                 continue;
             }
             let bucket_key = item.bucket_key();
@@ -323,9 +323,7 @@ impl MemoryStore {
                     touched.len() - 1
                 }
             };
-            let Some(t) = touched.get_mut(at) else {
-                continue;
-            };
+            let t = &mut touched[at];
             let (next, allotment) = assign::allot(
                 &item.limits,
                 Some(t.now.state),
@@ -351,12 +349,7 @@ impl MemoryStore {
         }
         let record_expiry = expiry(now, self.settings.dedup_ttl_ms);
         for (i, allotment, at) in decided {
-            let Some(t) = touched.get(at) else {
-                continue;
-            };
-            let Some(item) = items.get(i) else {
-                continue;
-            };
+            let t = &touched[at];
             let record = if apply {
                 LeaseRecord {
                     granted: allotment.granted,
@@ -380,13 +373,11 @@ impl MemoryStore {
                     bucket: t.key.clone(),
                 }
             };
-            if let Some(slot) = grants.get_mut(i) {
-                *slot = Some(Grant {
-                    replayed: false,
-                    ..record.replay()
-                });
-            }
-            inner.put_lease(&item.lease_key(), record, record_expiry);
+            grants[i] = Some(Grant {
+                replayed: false,
+                ..record.replay()
+            });
+            inner.put_lease(&items[i].lease_key(), record, record_expiry);
         }
         // Every item was either replayed or decided; anything else is a bug, reported as an
         // error rather than turned into a denial.
