@@ -4,7 +4,9 @@
 //! clock: wall-clock milliseconds sampled once at start, advanced by a monotonic `Instant`, so
 //! it never moves backwards however the system clock is adjusted.
 
+#[cfg(test)]
 use std::sync::atomic::{AtomicU64, Ordering};
+#[cfg(test)]
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -46,10 +48,12 @@ impl Clock for MonotonicClock {
     }
 }
 
-/// A clock that moves only when told to (tests, replaying another store's timeline).
+/// A clock that moves only when told to (the memory store's unit tests).
+#[cfg(test)]
 #[derive(Debug, Clone, Default)]
 pub struct ManualClock(Arc<AtomicU64>);
 
+#[cfg(test)]
 impl ManualClock {
     pub fn new(now_ms: u64) -> Self {
         Self(Arc::new(AtomicU64::new(now_ms)))
@@ -64,6 +68,7 @@ impl ManualClock {
     }
 }
 
+#[cfg(test)]
 impl Clock for ManualClock {
     fn now_ms(&self) -> u64 {
         self.0.load(Ordering::SeqCst)

@@ -36,7 +36,7 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// per connection (`envoy/global.yaml`) and opens another connection when the server allows
 /// fewer, which spreads a busy Envoy's callouts over several connection tasks, so over the
 /// runtime's threads.
-pub const MAX_CONCURRENT_STREAMS: u32 = 200;
+const MAX_CONCURRENT_STREAMS: u32 = 200;
 
 /// Most streams a client may have reset while they still wait to be accepted, per connection;
 /// beyond it the HTTP/2 stack (h2) answers `GOAWAY ENHANCE_YOUR_CALM` and drops the
@@ -58,12 +58,12 @@ pub const MAX_CONCURRENT_STREAMS: u32 = 200;
 /// cancelled callouts per second on one connection (Envoy's filter sends at most one callout
 /// per key and worker, and backs a key off for 500 ms after a failure) while capping one
 /// connection's queue at a few tens of MB.
-pub const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 16_384;
+const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 16_384;
 
 /// Most streams the server itself may reset for a client's protocol errors, per connection,
 /// before `GOAWAY ENHANCE_YOUR_CALM`: hyper's default, named here with its sibling above. It
 /// only counts misbehaviour (malformed frames, bad headers), which no stall produces.
-pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1_024;
+const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1_024;
 
 /// The HTTP server: HTTP/1.1 and HTTP/2 with prior knowledge (h2c, what Envoy uses) on one
 /// port, with the HTTP/2 limits above.
@@ -250,7 +250,7 @@ impl Drop for Running {
 }
 
 /// Builds the configured store (Redis stores connect in the background).
-pub fn build_store(config: &ServerConfig) -> Result<AnyStore, StartError> {
+fn build_store(config: &ServerConfig) -> Result<AnyStore, StartError> {
     let settings = config.store_settings();
     Ok(match &config.store {
         StoreConfig::Memory => AnyStore::Memory(MemoryStore::new(settings)),
@@ -268,10 +268,7 @@ pub async fn serve(config: ServerConfig) -> Result<Running, StartError> {
 }
 
 /// [`serve`] with a store built by the caller (`config.store` is ignored).
-pub async fn serve_with_store<S: Store>(
-    config: ServerConfig,
-    store: S,
-) -> Result<Running, StartError> {
+async fn serve_with_store<S: Store>(config: ServerConfig, store: S) -> Result<Running, StartError> {
     config.check()?;
     let (policies, loaded) = policies::load_file(&config.policies)?;
     let metrics = Metrics::new()?;

@@ -205,7 +205,7 @@ impl RedisClusterStore {
     }
 
     /// The primary serving `slot` as far as the metrics map knows.
-    pub fn owner_of_slot(&self, slot: u16) -> Option<String> {
+    fn owner_of_slot(&self, slot: u16) -> Option<String> {
         self.slots
             .read()
             .ok()
@@ -298,7 +298,7 @@ impl RedisClusterStore {
     }
 
     /// Loads (or replaces) the `tollgate_v2` library on every primary.
-    pub async fn load_library(&self) -> Result<(), StoreError> {
+    async fn load_library(&self) -> Result<(), StoreError> {
         self.on_every_primary(script::load_cmd())
             .await
             .map(|_| ())

@@ -244,7 +244,7 @@ impl MemoryStore {
     }
 
     /// A store on a given clock (tests drive it by hand).
-    pub fn with_clock(settings: StoreSettings, clock: Arc<dyn Clock>) -> Self {
+    pub(crate) fn with_clock(settings: StoreSettings, clock: Arc<dyn Clock>) -> Self {
         Self {
             inner: Mutex::new(Inner::default()),
             clock,
@@ -259,12 +259,8 @@ impl MemoryStore {
     }
 
     /// Number of live-or-unswept entries (buckets plus lease records).
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.lock().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// The bucket `bucket_key` as of the store's clock.
@@ -523,7 +519,7 @@ mod tests {
         for _ in 0..10 {
             store.lock().sweep(clock.now_ms());
         }
-        assert!(store.is_empty());
+        assert_eq!(store.len(), 0);
         assert!(store.lock().expiries.is_empty());
     }
 

@@ -16,16 +16,16 @@ use std::time::Duration;
 use tollgate_core::assign::{self, Ask, Holding, Terms};
 use tollgate_core::bucket::{BucketState, Limits};
 
-pub mod cluster;
-pub mod keys;
-pub mod memory;
-pub mod single;
+mod cluster;
+mod keys;
+mod memory;
+mod single;
 
 mod any;
 pub(crate) mod script;
 mod watchdog;
 
-pub use any::AnyStore;
+pub(crate) use any::AnyStore;
 pub use cluster::RedisClusterStore;
 pub use memory::MemoryStore;
 pub use single::RedisStore;
@@ -86,7 +86,7 @@ pub struct StoreSettings {
 
 impl StoreSettings {
     /// The terms of assignments, as `tollgate_core::assign` takes them.
-    pub fn terms(&self) -> Terms {
+    pub(crate) fn terms(&self) -> Terms {
         Terms {
             period_ms: self.assignment_period_ms,
             lease_ttl_ms: self.lease_ttl_ms,
@@ -114,18 +114,18 @@ pub struct LeaseItem {
 }
 
 impl LeaseItem {
-    /// The Redis key of the item's bucket ([`keys::bucket_key`]).
+    /// The Redis key of the item's bucket (`store::keys::bucket_key`).
     pub fn bucket_key(&self) -> String {
         keys::bucket_key(&self.policy, &self.key)
     }
 
-    /// The Redis key of the item's lease record ([`keys::lease_key`]).
+    /// The Redis key of the item's lease record (`store::keys::lease_key`).
     pub fn lease_key(&self) -> String {
         keys::lease_key(&self.key, &self.id)
     }
 
     /// The item as `tollgate_core::assign::allot` takes it.
-    pub fn ask(&self) -> Ask<'_> {
+    pub(crate) fn ask(&self) -> Ask<'_> {
         Ask {
             min: self.min,
             want: self.want,
@@ -146,12 +146,12 @@ pub struct ReturnItem {
 }
 
 impl ReturnItem {
-    /// The Redis key of the bucket the lease was drawn from ([`keys::bucket_key`]).
+    /// The Redis key of the bucket the lease was drawn from (`store::keys::bucket_key`).
     pub fn bucket_key(&self) -> String {
         keys::bucket_key(&self.policy, &self.key)
     }
 
-    /// The Redis key of the lease's record ([`keys::lease_key`]).
+    /// The Redis key of the lease's record (`store::keys::lease_key`).
     pub fn lease_key(&self) -> String {
         keys::lease_key(&self.key, &self.id)
     }

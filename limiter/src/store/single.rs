@@ -97,11 +97,6 @@ impl RedisStore {
         }
     }
 
-    /// `host:port` of the server.
-    pub fn address(&self) -> &str {
-        &self.address
-    }
-
     async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         let mut conn = self.connection();
         let result = cmd.query_async::<Value>(&mut conn).await;
@@ -114,7 +109,7 @@ impl RedisStore {
     }
 
     /// Loads (or replaces) the `tollgate_v2` library.
-    pub async fn load_library(&self) -> Result<(), StoreError> {
+    async fn load_library(&self) -> Result<(), StoreError> {
         self.query(&script::load_cmd())
             .await
             .map(|_| ())
