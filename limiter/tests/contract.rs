@@ -1,5 +1,7 @@
 //! One contract, three stores: every case below runs against the in-memory store, a real
 //! redis-server and a real 3-primary/3-replica Redis Cluster, and must give the same answers.
+//! The Redis and Cluster runs (and the Redis-specific cases) are the `e2e` tier: they need
+//! `redis-server`, so they are built only with the feature; the memory runs always are.
 //! Each case uses keys of its own, so cases share one Redis / one cluster per test binary and
 //! run in parallel.
 
@@ -670,10 +672,12 @@ macro_rules! contract {
 }
 
 contract!(memory, MemoryStore::new(settings()));
+#[cfg(feature = "e2e")]
 contract!(
     redis,
     RedisStore::new(&shared_redis().url(), settings()).expect("redis store")
 );
+#[cfg(feature = "e2e")]
 contract!(cluster, {
     let s = RedisClusterStore::new(&shared_cluster().urls(), settings()).expect("cluster store");
     s.ready().await.expect("cluster ready");
@@ -683,6 +687,7 @@ contract!(cluster, {
 
 /// Redis-specific: bucket keys expire after a full refill plus margin, lease records after
 /// the dedup TTL; and both live in the tenant's slot.
+#[cfg(feature = "e2e")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_keys_carry_ttls_and_share_a_slot() {
     let redis = shared_redis();
@@ -730,6 +735,7 @@ async fn unreachable_redis_is_an_error() {
 }
 
 /// `calls` of `cmdstat_<command>` in `INFO commandstats` (0 when never called).
+#[cfg(feature = "e2e")]
 fn command_calls(server: &tollgate_e2e::RedisServer, command: &str) -> u64 {
     let info = server.info("commandstats");
     info.lines()
@@ -742,6 +748,7 @@ fn command_calls(server: &tollgate_e2e::RedisServer, command: &str) -> u64 {
 /// Hot keys: sharding spreads tenants, never one key. Every decision about one key runs on
 /// the one primary owning its slot (its lease records too); different tenants land on every
 /// primary; replicas never run a decision.
+#[cfg(feature = "e2e")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_key_lives_on_one_shard_and_tenants_spread() {
     let cluster = shared_cluster();

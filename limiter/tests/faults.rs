@@ -5,6 +5,8 @@
 //! itself, and must keep exactly-once accounting per lease id;
 //! for the killed primary, where asynchronous replication can lose acknowledged writes, the
 //! test measures and prints the overshoot instead of pretending it is zero.
+//!
+//! The `e2e` tier (it needs `redis-server`): built only with the feature.
 
 // Test code: failing loudly is the point.
 #![allow(

@@ -8,6 +8,8 @@
 //! bounded), group atomicity, dedup and returns must agree bit for bit — `remaining` and
 //! `share_per_ms` are compared as `f64` equality, not with a tolerance. After each step the
 //! buckets it touched must also be stored identically: content, holdings and TTL.
+//!
+//! The `e2e` tier (it needs `redis-server`): built only with the feature.
 
 // Test code: failing loudly is the point.
 #![allow(
