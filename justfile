@@ -63,11 +63,20 @@ build-limiter-server:
 check-policies *files="policies/*.json": build-limiter
     target/debug/tollgate-limiter check-policies {{files}}
 
-# Formatting and lints (native and wasm32; unwrap/expect/panic denied outside tests).
-lint:
+# Formatting and lints (native and wasm32; unwrap/expect/panic denied outside tests), and the
+# dependency policy (deny.toml: licenses, bans, sources).
+lint: deny
     cargo fmt --all -- --check
-    cargo clippy --workspace --all-targets --features tollgate-e2e/e2e -- -D warnings
+    cargo clippy --workspace --all-targets --features tollgate-e2e/e2e,tollgate-limiter/e2e -- -D warnings
     cargo clippy -p tollgate -p tollgate-core --target wasm32-wasip1 -- -D warnings
+
+# Licenses, banned or duplicate crates, and sources of every dependency (deny.toml).
+deny:
+    cargo-deny --workspace check --hide-inclusion-graph licenses bans sources
+
+# RustSec advisories against the dependency graph (fetches the advisory database from GitHub).
+deny-advisories:
+    cargo-deny --workspace check advisories
 
 # Every test: lint, unit + property + end-to-end (real Envoy, real Redis), core on wasm32.
 # (A plain `cargo test` runs the unit and property tests only.)
@@ -75,7 +84,7 @@ test: lint build-wasm
     cargo build -p tollgate-limiter
     # Every suite runs even when an earlier one fails; the recipe fails at the end if any did.
     # The end-to-end tier (real Envoy, Redis, limiter) is behind the e2e features.
-    status=0; cargo test --workspace --no-fail-fast --features tollgate-e2e/e2e || status=1; cargo test -p tollgate-core --target wasm32-wasip1 || status=1; exit $status
+    status=0; cargo test --workspace --no-fail-fast --features tollgate-e2e/e2e,tollgate-limiter/e2e || status=1; cargo test -p tollgate-core --target wasm32-wasip1 || status=1; exit $status
 
 # Outputs target/oci/tollgate/ (OCI layout), target/oci/tollgate.tar (oci-archive) and
 # target/oci/tollgate.digest (what WasmPlugin.sha256 pins). Push with
