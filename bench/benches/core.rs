@@ -196,6 +196,7 @@ fn request_path(c: &mut Criterion) {
             bucket_id: m.bucket_id.clone(),
             min: 1,
             want: 100,
+            demand_per_s: 100.0,
             blocking: true,
         };
         let grant = LeaseGranted {
@@ -207,7 +208,7 @@ fn request_path(c: &mut Criterion) {
             share_per_s: 0.0,
             period_ms: 0,
         };
-        global.credit(&store, &need, &grant, 1, 10_000).unwrap();
+        global.credit(&store, &need, &grant, 1, 10_000, true).unwrap();
     }
     g.bench_function("global_policy_lease_plan_decide", |b| {
         b.iter(|| {
