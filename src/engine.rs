@@ -239,19 +239,11 @@ impl Engine {
         need: &LeaseNeed,
         now_ms: u64,
     ) -> Result<(), TableError> {
-        let (Some(settings), Some(policy)) = (
-            self.policies.limiter.as_ref(),
-            self.policies.policies.get(need.policy),
-        ) else {
-            return Ok(());
-        };
-        self.table.update(store, &need.bucket_id, now_ms, |record| {
-            let lease = &mut record.lease;
+        self.update_global(store, need, now_ms, |lease, settings| {
             lease.pending_until_ms = now_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
             if global::assigned(lease, now_ms) {
                 lease.assigned_until_ms = lease.assigned_until_ms.max(lease.pending_until_ms);
             }
-            commit::settle(record, policy);
         })
     }
 
@@ -262,6 +254,19 @@ impl Engine {
         need: &LeaseNeed,
         now_ms: u64,
     ) -> Result<(), TableError> {
+        self.update_global(store, need, now_ms, |lease, settings| {
+            global::apply_unavailable(lease, settings, now_ms)
+        })
+    }
+
+    /// Changes the lease bookkeeping of a global policy's record (nothing without a limiter).
+    fn update_global(
+        &self,
+        store: &impl SharedData,
+        need: &LeaseNeed,
+        now_ms: u64,
+        change: impl Fn(&mut crate::table::Lease, &LimiterSpec),
+    ) -> Result<(), TableError> {
         let (Some(settings), Some(policy)) = (
             self.policies.limiter.as_ref(),
             self.policies.policies.get(need.policy),
@@ -269,7 +274,7 @@ impl Engine {
             return Ok(());
         };
         self.table.update(store, &need.bucket_id, now_ms, |record| {
-            global::apply_unavailable(record, settings, now_ms);
+            change(&mut record.lease, settings);
             commit::settle(record, policy);
         })
     }

@@ -203,9 +203,8 @@ pub fn apply_grant(
     }
 }
 
-/// Applies "the limiter could not decide" to a key's record.
-pub fn apply_unavailable(record: &mut Record, settings: &LimiterSpec, now_ms: u64) {
-    let lease = &mut record.lease;
+/// Applies "the limiter could not decide" to a key's lease bookkeeping.
+pub fn apply_unavailable(lease: &mut Lease, settings: &LimiterSpec, now_ms: u64) {
     lease.pending_until_ms = 0;
     if lease.unavailable_since_ms == 0 {
         lease.unavailable_since_ms = now_ms;
