@@ -208,7 +208,9 @@ fn request_path(c: &mut Criterion) {
             share_per_s: 0.0,
             period_ms: 0,
         };
-        global.credit(&store, &need, &grant, 1, 10_000, true).unwrap();
+        global
+            .credit(&store, &need, &grant, 1, 10_000, true)
+            .unwrap();
     }
     g.bench_function("global_policy_lease_plan_decide", |b| {
         b.iter(|| {
