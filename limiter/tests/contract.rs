@@ -497,8 +497,10 @@ mod cases {
     pub async fn debt_outlives_its_refill(s: &(impl Store + Peek)) {
         let k = unique("ttl-debt");
         let l = limits("slowish");
-        let (_, a) = assigned(s, "slowish", &k, "ia", 10.0).await;
+        // Taken before the call: the bucket is written after it, so its TTL has run for at most
+        // this long when it is read (taken after the answer, a slow reply would hide time).
         let written = Instant::now();
+        let (_, a) = assigned(s, "slowish", &k, "ia", 10.0).await;
         assert!(a.remaining < -55.0, "{a:?}");
         let peeked = s.peek(&bucket("slowish", &k)).expect("bucket");
         let elapsed = written.elapsed().as_millis() as u64 + 2;
