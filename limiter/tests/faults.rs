@@ -285,7 +285,7 @@ fn slot_owner_ports(slots: &tollgate_e2e::Resp) -> std::collections::BTreeSet<u1
 async fn a_silently_dead_cluster_connection_is_replaced() {
     let cluster = tokio::task::block_in_place(|| RedisCluster::start(3, 0));
     // Each node announces a proxy in front of it, so every connection the client opens —
-    // to the seed URLs and to the nodes `CLUSTER SLOTS` names — goes through one.
+    // to the start-up URLs and to the nodes `CLUSTER SLOTS` names — goes through one.
     let mut proxies = Vec::new();
     for server in cluster.servers() {
         let proxy = BlackholeProxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
