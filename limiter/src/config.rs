@@ -9,6 +9,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tollgate_core::duration::Millis;
 
 use crate::server::{ServerConfig, StoreConfig};
+use crate::store::security::PASSWORD_ENV;
+use crate::store::{RedisSecurity, Secret};
+use crate::tls::TlsSettings;
 
 /// Log line format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -31,18 +34,98 @@ pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
 
-    /// Address to serve HTTP/1.1 and h2c on.
+    /// Address of the lease listener: HTTP/1.1 and h2c, or with --tls-cert HTTP/2 (ALPN) and
+    /// HTTP/1.1 over mutual TLS.
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
 
-    /// One Redis server, e.g. redis://127.0.0.1:6379. Without --redis or --redis-cluster the
-    /// buckets live in this process.
-    #[arg(long, env = "TOLLGATE_REDIS", conflicts_with = "redis_cluster")]
+    /// Serve the lease listener over TLS with this certificate chain (PEM); needs --tls-key
+    /// and --tls-client-ca. The files are reloaded when they change.
+    #[arg(long, env = "TOLLGATE_TLS_CERT", requires_all = ["tls_key", "tls_client_ca"])]
+    pub tls_cert: Option<PathBuf>,
+
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "TOLLGATE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// CA certificates (PEM) that sign the callers' client certificates: a caller without
+    /// one is refused in the handshake.
+    #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Callers allowed besides holding a trusted certificate, comma-separated: a URI SAN
+    /// (e.g. a SPIFFE id), a DNS SAN or the subject's common name. Empty: any trusted caller.
+    #[arg(
+        long,
+        env = "TOLLGATE_TLS_ALLOW",
+        value_delimiter = ',',
+        requires = "tls_cert"
+    )]
+    pub tls_allow: Vec<String>,
+
+    /// How often the TLS files are checked for changes.
+    #[arg(long, env = "TOLLGATE_TLS_RELOAD_EVERY", default_value = "10s", value_parser = parse_duration)]
+    pub tls_reload_every: Duration,
+
+    /// Also serve /healthz, /readyz and /metrics (nothing else) in plaintext on this address,
+    /// for probes and scrapers without a client certificate.
+    #[arg(long, env = "TOLLGATE_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+
+    /// One Redis server, e.g. redis://127.0.0.1:6379, or rediss://host:port for TLS. Without
+    /// --redis or --redis-cluster the buckets live in this process.
+    // Environment values stay out of --help: a URL may carry a password.
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS",
+        conflicts_with = "redis_cluster",
+        hide_env_values = true
+    )]
     pub redis: Option<String>,
 
-    /// Redis Cluster node URLs, comma-separated (any reachable node is enough).
-    #[arg(long, env = "TOLLGATE_REDIS_CLUSTER", value_delimiter = ',')]
+    /// Redis Cluster node URLs, comma-separated (any reachable node is enough; all redis:// or
+    /// all rediss://).
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_CLUSTER",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub redis_cluster: Vec<String>,
+
+    /// CA certificates (PEM) that Redis' certificate must chain to, for rediss:// URLs;
+    /// without it, the system's trust store.
+    #[arg(long, env = "TOLLGATE_REDIS_CA", value_name = "FILE")]
+    pub redis_ca: Option<PathBuf>,
+
+    /// Client certificate chain (PEM) to present to Redis (for its `tls-auth-clients`);
+    /// needs --redis-client-key.
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_CLIENT_CERT",
+        value_name = "FILE",
+        requires = "redis_client_key"
+    )]
+    pub redis_client_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --redis-client-cert.
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_CLIENT_KEY",
+        value_name = "FILE",
+        requires = "redis_client_cert"
+    )]
+    pub redis_client_key: Option<PathBuf>,
+
+    /// Redis ACL user to authenticate as (needs a password).
+    #[arg(long, env = "TOLLGATE_REDIS_USERNAME", value_name = "NAME")]
+    pub redis_username: Option<String>,
+
+    /// File holding the Redis password (trailing newlines are trimmed). The password may
+    /// instead be in the environment variable TOLLGATE_REDIS_PASSWORD; it is never a flag
+    /// (process lists show flags).
+    #[arg(long, env = "TOLLGATE_REDIS_PASSWORD_FILE", value_name = "FILE")]
+    pub redis_password_file: Option<PathBuf>,
 
     /// The policy document (the same JSON the filter is configured with); reloaded on change.
     #[arg(long, env = "TOLLGATE_POLICIES", required = true)]
@@ -102,15 +185,42 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 impl Cli {
+    /// The Redis credentials of the flags, with `password_env` the value of
+    /// `TOLLGATE_REDIS_PASSWORD` (read by the caller: it is not a flag).
+    fn redis_security(&self, password_env: Option<std::ffi::OsString>) -> RedisSecurity {
+        use std::os::unix::ffi::OsStringExt;
+        RedisSecurity {
+            ca: self.redis_ca.clone(),
+            client_cert: self.redis_client_cert.clone(),
+            client_key: self.redis_client_key.clone(),
+            username: self.redis_username.clone(),
+            password: password_env.map(|value| Secret::new(value.into_vec())),
+            password_file: self.redis_password_file.clone(),
+        }
+    }
+
     pub fn server_config(&self) -> ServerConfig {
         let store = match (&self.redis, self.redis_cluster.is_empty()) {
             (Some(url), _) => StoreConfig::Redis(url.clone()),
             (None, false) => StoreConfig::Cluster(self.redis_cluster.clone()),
             (None, true) => StoreConfig::Memory,
         };
+        let tls = match (&self.tls_cert, &self.tls_key, &self.tls_client_ca) {
+            (Some(cert), Some(key), Some(client_ca)) => Some(TlsSettings {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: client_ca.clone(),
+                allow: self.tls_allow.clone(),
+                reload_every: self.tls_reload_every,
+            }),
+            _ => None,
+        };
         ServerConfig {
             listen: self.listen,
+            tls,
+            admin_listen: self.admin_listen,
             store,
+            redis_security: self.redis_security(std::env::var_os(PASSWORD_ENV)),
             policies: self.policies.clone().unwrap_or_default(),
             lease_ttl: self.lease_ttl,
             dedup_ttl: self.dedup_ttl,
@@ -182,6 +292,145 @@ mod tests {
         assert_eq!(
             cli.server_config().store,
             StoreConfig::Redis("redis://a:1".into())
+        );
+    }
+
+    #[test]
+    fn tls_needs_its_three_files() {
+        let base = ["tollgate-limiter", "--policies", "p.json"];
+        let parse = |more: &[&str]| {
+            Cli::try_parse_from(base.iter().chain(more.iter()).copied())
+                .map(|cli| cli.server_config())
+        };
+        assert_eq!(parse(&[]).unwrap().tls, None);
+        let c = parse(&[
+            "--tls-cert",
+            "c.pem",
+            "--tls-key",
+            "k.pem",
+            "--tls-client-ca",
+            "ca.pem",
+            "--tls-allow",
+            "spiffe://mesh/sa/gw,gateway",
+            "--admin-listen",
+            "0.0.0.0:9090",
+        ])
+        .unwrap();
+        let tls = c.tls.unwrap();
+        assert_eq!(tls.cert, PathBuf::from("c.pem"));
+        assert_eq!(tls.allow, vec!["spiffe://mesh/sa/gw", "gateway"]);
+        assert_eq!(tls.reload_every, Duration::from_secs(10));
+        assert_eq!(c.admin_listen, Some("0.0.0.0:9090".parse().unwrap()));
+        for partial in [
+            &["--tls-cert", "c.pem", "--tls-key", "k.pem"][..],
+            &["--tls-cert", "c.pem", "--tls-client-ca", "ca.pem"][..],
+            &["--tls-key", "k.pem"][..],
+            &["--tls-client-ca", "ca.pem"][..],
+            &["--tls-allow", "gateway"][..],
+        ] {
+            assert!(parse(partial).is_err(), "{partial:?} accepted");
+        }
+    }
+
+    #[test]
+    fn redis_credentials_come_from_flags_files_and_the_environment() {
+        let base = ["tollgate-limiter", "--policies", "p.json"];
+        let parse = |more: &[&str]| {
+            Cli::try_parse_from(base.iter().chain(more.iter()).copied())
+                .map(|cli| cli.redis_security(None))
+        };
+        assert_eq!(parse(&[]).unwrap(), RedisSecurity::default());
+        let s = parse(&[
+            "--redis",
+            "rediss://127.0.0.1:6380",
+            "--redis-ca",
+            "ca.crt",
+            "--redis-client-cert",
+            "client.crt",
+            "--redis-client-key",
+            "client.key",
+            "--redis-username",
+            "tollgate",
+            "--redis-password-file",
+            "/run/secrets/redis",
+        ])
+        .unwrap();
+        assert_eq!(s.ca, Some(PathBuf::from("ca.crt")));
+        assert_eq!(s.client_cert, Some(PathBuf::from("client.crt")));
+        assert_eq!(s.client_key, Some(PathBuf::from("client.key")));
+        assert_eq!(s.username.as_deref(), Some("tollgate"));
+        assert_eq!(s.password_file, Some(PathBuf::from("/run/secrets/redis")));
+        assert_eq!(s.password, None);
+
+        // A certificate needs its key, and the reverse; clap names both flags.
+        for half in [
+            &["--redis-client-cert", "client.crt"][..],
+            &["--redis-client-key", "client.key"][..],
+        ] {
+            let e = parse(half).unwrap_err().to_string();
+            assert!(
+                e.contains("--redis-client-cert") && e.contains("--redis-client-key"),
+                "{e}"
+            );
+        }
+        // The password is no flag.
+        assert!(parse(&["--redis-password", "x"]).is_err());
+
+        let cli = Cli::try_parse_from(base).unwrap();
+        let s = cli.redis_security(Some("from-env".into()));
+        assert_eq!(s.password, Some(Secret::new("from-env")));
+        assert!(!format!("{s:?}").contains("from-env"));
+        assert!(!format!("{:?}", cli.server_config()).contains("from-env"));
+    }
+
+    #[tokio::test]
+    async fn both_password_sources_are_refused_when_the_store_is_built() {
+        let dir = std::env::temp_dir().join(format!("tollgate-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("password");
+        std::fs::write(&file, "from-file\n").unwrap();
+        let cli = Cli::try_parse_from([
+            "tollgate-limiter",
+            "--policies",
+            "p.json",
+            "--redis-password-file",
+            file.to_str().unwrap(),
+        ])
+        .unwrap();
+        let security = cli.redis_security(Some("from-env".into()));
+        let settings = crate::store::StoreSettings {
+            dedup_ttl_ms: 60_000,
+            assignment_period_ms: 1_000,
+            lease_ttl_ms: 2_000,
+        };
+        let e = crate::store::RedisStore::new("redis://127.0.0.1:1", &security, settings)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(PASSWORD_ENV) && e.contains("--redis-password-file"),
+            "{e}"
+        );
+        assert!(!e.contains("from-env") && !e.contains("from-file"), "{e}");
+        let only_file = cli.redis_security(None);
+        assert!(crate::store::RedisStore::new("redis://127.0.0.1:1", &only_file, settings).is_ok());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn redis_urls_print_without_passwords() {
+        let cli = Cli::try_parse_from([
+            "tollgate-limiter",
+            "--policies",
+            "p.json",
+            "--redis",
+            "redis://u:sekrit@127.0.0.1:6379",
+        ])
+        .unwrap();
+        let shown = format!("{:?}", cli.server_config());
+        assert!(!shown.contains("sekrit"), "{shown}");
+        assert!(
+            shown.contains("redis://u:<redacted>@127.0.0.1:6379"),
+            "{shown}"
         );
     }
 

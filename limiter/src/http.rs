@@ -31,6 +31,16 @@ pub fn router<S: Store>(service: Arc<Service<S>>) -> Router {
         .with_state(service)
 }
 
+/// The admin listener's routes: health, readiness and metrics, never the lease endpoints.
+pub fn admin_router<S: Store>(service: Arc<Service<S>>) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz::<S>))
+        .route("/metrics", get(metrics::<S>))
+        .fallback(not_found)
+        .with_state(service)
+}
+
 fn json(status: u16, body: String) -> Response {
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut response = (status, body).into_response();

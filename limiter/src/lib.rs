@@ -7,7 +7,8 @@
 //!
 //! Layout: `server` starts everything ([`serve`]), `http` maps routes onto `service`
 //! (validation, units, deadlines, answers), [`store`] holds the buckets, `policies` keeps
-//! the policy document current, `metrics` exports what happened, [`config`] is the CLI and
+//! the policy document current, `metrics` exports what happened, [`tls`] is the
+//! lease listener's mutual TLS, [`config`] is the CLI and
 //! [`check`] the policy checker. Only what the binary and the tests use is public.
 //!
 //! Lints: unlike the rest of the workspace, indexing and `expect` are allowed here for
@@ -22,5 +23,6 @@ mod policies;
 mod server;
 mod service;
 pub mod store;
+pub mod tls;
 
 pub use server::{serve, Running, ServerConfig, StartError, StoreConfig};

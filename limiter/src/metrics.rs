@@ -46,6 +46,9 @@ pub struct Metrics {
     policy_info: IntGaugeVec,
     policy_reloads: IntCounterVec,
     responses: IntCounterVec,
+    tls_connections: IntCounterVec,
+    tls_reloads: IntCounterVec,
+    tls_not_after: IntGaugeVec,
 }
 
 fn counter(
@@ -152,6 +155,24 @@ impl Metrics {
             "HTTP responses by endpoint and status code.",
             &["endpoint", "status"],
         )?;
+        let tls_connections = counter(
+            &registry,
+            "tollgate_limiter_tls_connections_total",
+            "TLS handshakes on the lease listener by result (accepted, no_client_certificate, untrusted_client, expired_client, client_not_allowed, handshake_timeout, handshake_failed); refused ones never reach the lease logic.",
+            &["result"],
+        )?;
+        let tls_reloads = counter(
+            &registry,
+            "tollgate_limiter_tls_reloads_total",
+            "Changed TLS certificate files by result (ok: in force now; invalid, unreadable: the previous ones stay).",
+            &["result"],
+        )?;
+        let tls_not_after = gauge(
+            &registry,
+            "tollgate_limiter_tls_certificate_not_after_seconds",
+            "Expiry (notAfter, Unix seconds) of the lease listener's certificate in force.",
+            &[],
+        )?;
         Ok(Self {
             registry,
             decisions,
@@ -166,6 +187,9 @@ impl Metrics {
             policy_info,
             policy_reloads,
             responses,
+            tls_connections,
+            tls_reloads,
+            tls_not_after,
         })
     }
 
@@ -234,6 +258,20 @@ impl Metrics {
             .inc();
     }
 
+    pub fn tls_connection(&self, result: &str) {
+        self.tls_connections.with_label_values(&[result]).inc();
+    }
+
+    pub fn tls_reload(&self, result: &str) {
+        self.tls_reloads.with_label_values(&[result]).inc();
+    }
+
+    pub fn set_tls_not_after(&self, unix_seconds: i64) {
+        self.tls_not_after
+            .with_label_values(&[] as &[&str])
+            .set(unix_seconds);
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut out = Vec::new();
@@ -265,6 +303,9 @@ mod tests {
         m.set_policy_version("def");
         m.policy_reload("ok");
         m.response("leases", 200);
+        m.tls_connection("untrusted_client");
+        m.tls_reload("ok");
+        m.set_tls_not_after(4_102_444_800);
         let text = m.render();
         for needle in [
             "tollgate_limiter_decisions_total{outcome=\"GRANTED\",policy=\"p\"} 1",
@@ -280,6 +321,9 @@ mod tests {
             "tollgate_limiter_policy_info{version=\"def\"} 1",
             "tollgate_limiter_policy_reloads_total{result=\"ok\"} 1",
             "tollgate_limiter_http_responses_total{endpoint=\"leases\",status=\"200\"} 1",
+            "tollgate_limiter_tls_connections_total{result=\"untrusted_client\"} 1",
+            "tollgate_limiter_tls_reloads_total{result=\"ok\"} 1",
+            "tollgate_limiter_tls_certificate_not_after_seconds 4102444800",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

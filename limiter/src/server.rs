@@ -1,9 +1,12 @@
 //! Starting and stopping a limiter: the one entry point shared by the binary, the integration
 //! tests and the benchmark (`serve` binds, spawns, and hands back the address and a handle).
 //!
-//! Besides the HTTP server it runs two background tasks: the policy file watcher and the
-//! active-keys sampler. Shutdown stops accepting, lets in-flight requests finish (bounded),
-//! then stops the tasks.
+//! Besides the HTTP server it runs background tasks: the policy file watcher, the active-keys
+//! sampler and, over TLS, the certificate reloader. The lease listener speaks plaintext (h2c,
+//! for loopback and demos) or TLS with client certificates ([`crate::tls`]); an optional admin
+//! listener serves only `/healthz`, `/readyz` and `/metrics` in plaintext, for probes and
+//! scrapers that hold no client certificate. Shutdown stops accepting, lets in-flight requests
+//! finish (bounded), then stops the tasks.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -23,8 +26,10 @@ use crate::metrics::Metrics;
 use crate::policies::{self, LoadError, PolicyHandle};
 use crate::service::{Service, ServiceSettings};
 use crate::store::{
-    AnyStore, MemoryStore, RedisClusterStore, RedisStore, Store, StoreError, StoreSettings,
+    AnyStore, MemoryStore, RedisClusterStore, RedisSecurity, RedisStore, Store, StoreError,
+    StoreSettings,
 };
+use crate::tls::{Acceptor, TlsError, TlsSettings};
 
 /// How often the active-keys gauge is sampled.
 const ACTIVE_KEYS_EVERY: Duration = Duration::from_secs(5);
@@ -77,22 +82,42 @@ fn http_builder() -> auto::Builder<TokioExecutor> {
     builder
 }
 
-/// Which store holds the buckets.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Which store holds the buckets. `Debug` shows the URLs without their passwords.
+#[derive(Clone, PartialEq, Eq)]
 pub enum StoreConfig {
     /// In this process (the default without Redis).
     Memory,
-    /// One Redis server: `redis://host:port`.
+    /// One Redis server: `redis://host:port`, or `rediss://` for TLS.
     Redis(String),
     /// A Redis Cluster, reached through any of these node URLs.
     Cluster(Vec<String>),
+}
+
+impl std::fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::store::security::redact_url;
+        match self {
+            StoreConfig::Memory => f.write_str("Memory"),
+            StoreConfig::Redis(url) => f.debug_tuple("Redis").field(&redact_url(url)).finish(),
+            StoreConfig::Cluster(urls) => f
+                .debug_tuple("Cluster")
+                .field(&urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>())
+                .finish(),
+        }
+    }
 }
 
 /// Everything a limiter needs to start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
+    /// The lease listener over mutual TLS; `None`: plaintext.
+    pub tls: Option<TlsSettings>,
+    /// A plaintext listener for `/healthz`, `/readyz` and `/metrics` only.
+    pub admin_listen: Option<SocketAddr>,
     pub store: StoreConfig,
+    /// TLS files and ACL credentials for Redis (`store::security`); none by default.
+    pub redis_security: RedisSecurity,
     pub policies: PathBuf,
     /// `expires_ms` of granted leases.
     pub lease_ttl: Duration,
@@ -114,7 +139,10 @@ impl ServerConfig {
     pub fn new(policies: impl Into<PathBuf>) -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
+            tls: None,
+            admin_listen: None,
             store: StoreConfig::Memory,
+            redis_security: RedisSecurity::default(),
             policies: policies.into(),
             lease_ttl: Duration::from_secs(2),
             dedup_ttl: Duration::from_secs(60),
@@ -193,6 +221,8 @@ pub enum StartError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("TLS: {0}")]
+    Tls(#[from] TlsError),
     #[error("cannot set up metrics: {0}")]
     Metrics(#[from] prometheus::Error),
 }
@@ -201,6 +231,7 @@ pub enum StartError {
 #[derive(Debug)]
 pub struct Running {
     addr: SocketAddr,
+    admin_addr: Option<SocketAddr>,
     shutdown: watch::Sender<bool>,
     server: Option<JoinHandle<std::io::Result<()>>>,
     tasks: Vec<JoinHandle<()>>,
@@ -210,6 +241,11 @@ impl Running {
     /// The bound address (the real port when `listen` had port 0).
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The admin listener's bound address, when there is one.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
     }
 
     /// Stops accepting, waits (bounded) for in-flight requests, stops the background tasks.
@@ -254,8 +290,14 @@ fn build_store(config: &ServerConfig) -> Result<AnyStore, StartError> {
     let settings = config.store_settings();
     Ok(match &config.store {
         StoreConfig::Memory => AnyStore::Memory(MemoryStore::new(settings)),
-        StoreConfig::Redis(url) => AnyStore::Redis(RedisStore::new(url, settings)?),
-        StoreConfig::Cluster(urls) => AnyStore::Cluster(RedisClusterStore::new(urls, settings)?),
+        StoreConfig::Redis(url) => {
+            AnyStore::Redis(RedisStore::new(url, &config.redis_security, settings)?)
+        }
+        StoreConfig::Cluster(urls) => AnyStore::Cluster(RedisClusterStore::new(
+            urls,
+            &config.redis_security,
+            settings,
+        )?),
     })
 }
 
@@ -286,19 +328,31 @@ async fn serve_with_store<S: Store>(config: ServerConfig, store: S) -> Result<Ru
         },
     ));
 
-    let listener = TcpListener::bind(config.listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: config.listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind {
-        addr: config.listen,
-        source,
-    })?;
+    let (listener, addr) = bind(config.listen).await?;
+    let admin = match config.admin_listen {
+        Some(admin) => Some(bind(admin).await?),
+        None => None,
+    };
     let (shutdown, shutdown_rx) = watch::channel(false);
 
     let mut tasks = Vec::new();
+    let tls = match config.tls.clone() {
+        Some(settings) => {
+            let (acceptor, reloader) =
+                Acceptor::start(settings, metrics.clone(), shutdown_rx.clone())?;
+            tasks.push(reloader);
+            Some(acceptor)
+        }
+        None => {
+            if !addr.ip().is_loopback() {
+                tracing::warn!(%addr,
+                    "the lease listener is plaintext on a non-loopback address: anyone who \
+                     can reach it can lease from (and drain) any budget; serve it over TLS \
+                     with --tls-cert, --tls-key and --tls-client-ca");
+            }
+            None
+        }
+    };
     tasks.push(tokio::spawn(policies::watch_file(
         config.policies.clone(),
         loaded,
@@ -319,23 +373,50 @@ async fn serve_with_store<S: Store>(config: ServerConfig, store: S) -> Result<Ru
         }
     }));
 
+    let admin_addr = admin.as_ref().map(|(_, addr)| *addr);
+    if let Some((admin, admin_addr)) = admin {
+        let app = crate::http::admin_router(Arc::clone(&service));
+        let server = tokio::spawn(serve_http(admin, app, None, shutdown_rx.clone()));
+        tasks.push(tokio::spawn(async move {
+            if let Ok(Err(e)) = server.await {
+                tracing::error!(error = %e, "admin listener failed");
+            }
+        }));
+        tracing::info!(%admin_addr, "admin listener (health, readiness, metrics) listening");
+    }
+    let transport = if tls.is_some() {
+        "mutual TLS"
+    } else {
+        "plaintext"
+    };
     let app = crate::http::router(service);
-    let server = tokio::spawn(serve_http(listener, app, shutdown_rx));
-    tracing::info!(%addr, "tollgate limiter listening");
+    let server = tokio::spawn(serve_http(listener, app, tls, shutdown_rx));
+    tracing::info!(%addr, transport, "tollgate limiter listening");
     Ok(Running {
         addr,
+        admin_addr,
         shutdown,
         server: Some(server),
         tasks,
     })
 }
 
+async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError> {
+    let bind_error = |source| StartError::Bind { addr, source };
+    let listener = TcpListener::bind(addr).await.map_err(bind_error)?;
+    let bound = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, bound))
+}
+
 /// Accepts connections until `stop` turns true, then stops accepting and shuts every open
 /// connection down gracefully (HTTP/2: GOAWAY, in-flight streams finish; HTTP/1.1: closed
-/// after the request in flight); returns when the last one is done.
+/// after the request in flight); returns when the last one is done. With `tls`, each
+/// connection's handshake runs in its own task (a slow client holds up no other), and only
+/// a completed one is served.
 async fn serve_http(
     listener: TcpListener,
     app: Router,
+    tls: Option<Arc<Acceptor>>,
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let builder = http_builder();
@@ -353,12 +434,25 @@ async fn serve_http(
             }
         };
         let _ = tcp.set_nodelay(true);
-        let connection = builder
-            .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()))
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let service = TowerToHyperService::new(app.clone());
+        let watcher = graceful.watcher();
+        let builder = builder.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            let served = match tls {
+                None => {
+                    let connection = builder.serve_connection(TokioIo::new(tcp), service);
+                    watcher.watch(connection.into_owned()).await
+                }
+                Some(acceptor) => {
+                    let Some(stream) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let connection = builder.serve_connection(TokioIo::new(stream), service);
+                    watcher.watch(connection.into_owned()).await
+                }
+            };
+            if let Err(e) = served {
                 // A client going away mid-request is routine; h2 logs its own protocol
                 // errors (GOAWAY it sends) at warn.
                 tracing::debug!(error = %e, "HTTP connection ended with an error");

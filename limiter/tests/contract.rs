@@ -1,5 +1,7 @@
 //! One contract, three stores: every case below runs against the in-memory store, a real
 //! redis-server and a real 3-primary/3-replica Redis Cluster, and must give the same answers.
+//! The Redis and Cluster runs are repeated over TLS (`redis_tls`, `cluster_tls`: client
+//! certificates required, an ACL user's password, a 3-primary cluster with a TLS bus).
 //! The Redis and Cluster runs (and the Redis-specific cases) are the `e2e` tier: they need
 //! `redis-server`, so they are built only with the feature; the memory runs always are.
 //! Each case uses keys of its own, so cases share one Redis / one cluster per test binary and
@@ -21,7 +23,8 @@ use std::time::{Duration, Instant};
 use support::*;
 use tollgate_core::assign::{self, Allotment, MAX_HOLDERS};
 use tollgate_limiter::store::{
-    bucket_ttl_ms, Grant, LeaseItem, MemoryStore, RedisClusterStore, RedisStore, Store, StoreError,
+    bucket_ttl_ms, Grant, LeaseItem, MemoryStore, RedisClusterStore, RedisSecurity, RedisStore,
+    Store, StoreError,
 };
 
 /// Reads a store's bucket behind its back: the memory store's own view, or the hash and
@@ -36,15 +39,17 @@ impl Peek for MemoryStore {
     }
 }
 
+/// The shared server or cluster a store talks to is the one with the store's node among its
+/// ports (the plain one, or the TLS one).
 impl Peek for RedisStore {
     fn peek(&self, bucket_key: &str) -> Option<Peeked> {
-        peek_redis(shared_redis(), bucket_key)
+        peek_redis(redis_serving(&self.node_for("")), bucket_key)
     }
 }
 
 impl Peek for RedisClusterStore {
     fn peek(&self, bucket_key: &str) -> Option<Peeked> {
-        peek_cluster(shared_cluster(), bucket_key)
+        peek_cluster(cluster_serving(&self.node_for("any")), bucket_key)
     }
 }
 
@@ -677,12 +682,40 @@ contract!(memory, MemoryStore::new(settings()));
 #[cfg(feature = "e2e")]
 contract!(
     redis,
-    RedisStore::new(&shared_redis().url(), settings()).expect("redis store")
+    RedisStore::new(&shared_redis().url(), &RedisSecurity::default(), settings())
+        .expect("redis store")
 );
 #[cfg(feature = "e2e")]
 contract!(cluster, {
-    let s = RedisClusterStore::new(&shared_cluster().urls(), settings()).expect("cluster store");
+    let s = RedisClusterStore::new(
+        &shared_cluster().urls(),
+        &RedisSecurity::default(),
+        settings(),
+    )
+    .expect("cluster store");
     s.ready().await.expect("cluster ready");
+    s.refresh_slot_map().await.expect("slot map");
+    s
+});
+// The same contract over TLS, with a client certificate and an ACL user's password: the
+// store only ever reaches the TLS port.
+#[cfg(feature = "e2e")]
+contract!(
+    redis_tls,
+    RedisStore::new(
+        &shared_tls_redis().server.tls_url(),
+        &shared_tls_redis().security,
+        settings()
+    )
+    .expect("TLS redis store")
+);
+#[cfg(feature = "e2e")]
+contract!(cluster_tls, {
+    let tls = shared_tls_cluster();
+    // One start-up node is enough: the others come from CLUSTER SLOTS, at their TLS ports.
+    let s = RedisClusterStore::new(&tls.cluster.tls_urls()[..1], &tls.security, settings())
+        .expect("TLS cluster store");
+    s.ready().await.expect("TLS cluster ready");
     s.refresh_slot_map().await.expect("slot map");
     s
 });
@@ -693,7 +726,8 @@ contract!(cluster, {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_keys_carry_ttls_and_share_a_slot() {
     let redis = shared_redis();
-    let s = RedisStore::new(&redis.url(), settings()).expect("redis store");
+    let s =
+        RedisStore::new(&redis.url(), &RedisSecurity::default(), settings()).expect("redis store");
     let k = unique("ttl");
     let item = lease("ttl-id", "tenant", &k, 1, 1);
     assert_eq!(one(&s, item.clone()).await.granted, 1);
@@ -726,7 +760,12 @@ async fn redis_keys_carry_ttls_and_share_a_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_redis_is_an_error() {
     let port = tollgate_e2e::free_port();
-    let s = RedisStore::new(&format!("redis://127.0.0.1:{port}"), settings()).expect("store");
+    let s = RedisStore::new(
+        &format!("redis://127.0.0.1:{port}"),
+        &RedisSecurity::default(),
+        settings(),
+    )
+    .expect("store");
     let e = s
         .lease(&[lease("a", "tenant", "nobody", 1, 1)])
         .await
@@ -754,7 +793,8 @@ fn command_calls(server: &tollgate_e2e::RedisServer, command: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_key_lives_on_one_shard_and_tenants_spread() {
     let cluster = shared_cluster();
-    let store = RedisClusterStore::new(&cluster.urls(), settings()).expect("cluster store");
+    let store = RedisClusterStore::new(&cluster.urls(), &RedisSecurity::default(), settings())
+        .expect("cluster store");
     store.ready().await.expect("ready");
     store.refresh_slot_map().await.expect("slot map");
 

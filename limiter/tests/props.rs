@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use support::*;
-use tollgate_limiter::store::{LeaseItem, MemoryStore, RedisStore, Store, StoreSettings};
+use tollgate_limiter::store::{
+    LeaseItem, MemoryStore, RedisSecurity, RedisStore, Store, StoreSettings,
+};
 
 /// Policies with rates fast enough that the milliseconds between steps matter.
 const POLICIES: [&str; 5] = ["tenant", "fast", "tenth", "slowish", "route"];
@@ -290,7 +292,8 @@ fn redis_function_matches_core_bucket_math() {
         .expect("runtime");
     let url = shared_redis().url();
     let redis = rt.block_on(async {
-        let s = RedisStore::new(&url, prop_settings()).expect("redis store");
+        let s =
+            RedisStore::new(&url, &RedisSecurity::default(), prop_settings()).expect("redis store");
         s.ready().await.expect("redis ready");
         s
     });

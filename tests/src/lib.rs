@@ -28,9 +28,11 @@ pub mod envoy;
 pub mod error;
 pub mod http_blocking;
 pub mod paths;
+pub mod pki;
 pub mod ports;
 pub mod process;
 pub mod redis;
+pub mod tls_client;
 pub mod tollgate;
 pub mod upstream;
 
@@ -41,5 +43,7 @@ pub use client::{
 pub use envoy::{render_file, render_template, Envoy, EnvoyOptions};
 pub use error::HarnessError;
 pub use ports::free_port;
-pub use redis::{ClusterNode, RedisCluster, RedisOptions, RedisServer, Resp, Role};
+pub use redis::{
+    AclUser, ClusterNode, RedisCluster, RedisOptions, RedisServer, RedisTls, Resp, Role,
+};
 pub use upstream::{MockResponse, RecordedRequest, Upstream};

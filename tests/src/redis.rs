@@ -9,6 +9,12 @@
 //! redis-server cannot bind port 0, so ports come from [`crate::ports::free_port`]; if the
 //! bind races and fails the server is started again on another port, and a server is only
 //! considered up when `INFO server` reports *our* child's `process_id`.
+//!
+//! A server (or every node of a cluster) can also serve TLS ([`RedisTls`]: certificates from
+//! [`crate::pki`], client certificates required or not) and require an ACL user's password
+//! ([`AclUser`]). The harness itself keeps talking plain RESP on the loopback `port()`, as an
+//! admin user of its own when ACLs are on; the limiter is given only the TLS port
+//! ([`RedisServer::tls_url`]).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -19,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{HarnessError, Result};
 use crate::paths;
+use crate::pki::{CertFiles, TestCa};
 use crate::ports::free_port;
 use crate::process::{self, ChildProcess};
 
@@ -87,24 +94,45 @@ impl Resp {
 
 /// Send one command to 127.0.0.1:`port` on a fresh connection and read one reply.
 pub fn command(port: u16, args: &[&str], timeout: Duration) -> Result<Resp> {
-    let what = || format!("redis 127.0.0.1:{port} {:?}", args.first().unwrap_or(&""));
-    let deadline = Instant::now() + timeout;
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let mut stream = TcpStream::connect_timeout(&addr, timeout)
-        .map_err(|e| HarnessError::new(format!("{}: connect: {e}", what())))?;
-    stream.set_nodelay(true).ok();
+    command_as(port, None, args, timeout)
+}
+
+/// RESP2 encoding of one command.
+fn encode(args: &[&str]) -> Vec<u8> {
     let mut req = format!("*{}\r\n", args.len()).into_bytes();
     for a in args {
         req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
         req.extend_from_slice(a.as_bytes());
         req.extend_from_slice(b"\r\n");
     }
+    req
+}
+
+/// [`command`], authenticated first as `auth` (`(user, password)`) when given: `AUTH` and the
+/// command go out in one write; a refused `AUTH` is an `Err`.
+pub fn command_as(
+    port: u16,
+    auth: Option<(&str, &str)>,
+    args: &[&str],
+    timeout: Duration,
+) -> Result<Resp> {
+    let what = || format!("redis 127.0.0.1:{port} {:?}", args.first().unwrap_or(&""));
+    let deadline = Instant::now() + timeout;
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let mut stream = TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|e| HarnessError::new(format!("{}: connect: {e}", what())))?;
+    stream.set_nodelay(true).ok();
+    let mut req = match auth {
+        Some((user, password)) => encode(&["AUTH", user, password]),
+        None => Vec::new(),
+    };
+    req.extend_from_slice(&encode(args));
     stream
         .set_write_timeout(Some(timeout))
         .and_then(|()| stream.write_all(&req))
         .map_err(|e| HarnessError::new(format!("{}: write: {e}", what())))?;
     let mut reader = BufReader::new(Deadlined { stream, deadline });
-    read_resp(&mut reader).map_err(|e| {
+    let read_failed = |e: std::io::Error| {
         if matches!(
             e.kind(),
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
@@ -113,7 +141,18 @@ pub fn command(port: u16, args: &[&str], timeout: Duration) -> Result<Resp> {
         } else {
             HarnessError::new(format!("{}: read: {e}", what()))
         }
-    })
+    };
+    if auth.is_some() {
+        let reply = read_resp(&mut reader).map_err(read_failed)?;
+        if reply.is_error() {
+            return Err(HarnessError::new(format!(
+                "{}: AUTH refused: {}",
+                what(),
+                reply.to_text()
+            )));
+        }
+    }
+    read_resp(&mut reader).map_err(read_failed)
 }
 
 /// A stream whose every read is bounded by one overall deadline.
@@ -216,6 +255,50 @@ pub fn info_field(info: &str, field: &str) -> Option<String> {
 // ---------------------------------------------------------------------------------------
 // RedisServer
 
+/// TLS on a test [`RedisServer`]: a TLS port besides the plain one, with certificates signed
+/// by a [`TestCa`] (the server's own for `localhost` / `127.0.0.1`, and the one it presents
+/// when it connects out: cluster bus and replication links).
+#[derive(Debug, Clone)]
+pub struct RedisTls {
+    /// The CA certificate: what clients trust, and what the server checks client
+    /// certificates against.
+    pub ca: PathBuf,
+    pub server: CertFiles,
+    /// Presented by the server on its outgoing TLS links (a client certificate: the peer node
+    /// checks it like any client's).
+    pub peer: CertFiles,
+    /// `--tls-auth-clients yes`: every TLS client must present a certificate `ca` signed.
+    pub require_client_certs: bool,
+}
+
+impl RedisTls {
+    /// Server-side files signed by `ca`, written into `dir`.
+    pub fn new(ca: &TestCa, dir: &Path, require_client_certs: bool) -> RedisTls {
+        std::fs::create_dir_all(dir).expect("create the certificate directory");
+        RedisTls {
+            ca: ca.write_cert(dir, "redis-ca.crt"),
+            server: ca.server(dir, "redis-server", &["localhost", "127.0.0.1"]),
+            peer: ca.client(dir, "redis-peer", None),
+            require_client_certs,
+        }
+    }
+}
+
+/// An ACL user with a password (`--user NAME on >PASSWORD ~tollgate:* &* +@all`: every
+/// command, only tollgate's keys). With one, the `default` user is off: a client must
+/// authenticate. The harness authenticates as [`ADMIN_USER`].
+#[derive(Debug, Clone)]
+pub struct AclUser {
+    pub name: String,
+    pub password: String,
+}
+
+/// The harness's own ACL user on servers with an [`AclUser`] (and the one replicas
+/// authenticate as to their primary).
+pub const ADMIN_USER: &str = "e2e-admin";
+/// [`ADMIN_USER`]'s password: a test-only constant, on loopback servers only.
+const ADMIN_PASSWORD: &str = "e2e-admin-password";
+
 /// How to start a [`RedisServer`]. `RedisOptions::default()` is a plain standalone server.
 #[derive(Debug, Clone, Default)]
 pub struct RedisOptions {
@@ -229,6 +312,17 @@ pub struct RedisOptions {
     pub cluster_node_timeout_ms: u64,
     /// More `redis-server` arguments, e.g. `["--maxmemory", "10mb"]`.
     pub extra_args: Vec<String>,
+    /// Also serve TLS, on a port of its own ([`RedisServer::tls_port`]).
+    pub tls: Option<RedisTls>,
+    /// Require this user's password (the `default` user off).
+    pub acl_user: Option<AclUser>,
+}
+
+impl RedisOptions {
+    /// How the harness authenticates its own commands (`None`: it does not need to).
+    fn admin_auth(&self) -> Option<(&'static str, &'static str)> {
+        self.acl_user.as_ref().map(|_| (ADMIN_USER, ADMIN_PASSWORD))
+    }
 }
 
 /// A `redis-server` on 127.0.0.1 with no persistence; killed on `Drop`. Methods take `&self`,
@@ -238,6 +332,7 @@ pub struct RedisServer {
     process: Mutex<ChildProcess>,
     port: u16,
     cluster_port: Option<u16>,
+    tls_port: Option<u16>,
     dir: PathBuf,
     opts: RedisOptions,
 }
@@ -264,12 +359,14 @@ impl RedisServer {
         for _attempt in 0..8 {
             let port = free_port();
             let cluster_port = opts.cluster.then(free_port);
-            match spawn_redis(&dir, port, cluster_port, &opts)? {
+            let tls_port = opts.tls.is_some().then(free_port);
+            match spawn_redis(&dir, port, cluster_port, tls_port, &opts)? {
                 Ok(process) => {
                     return Ok(RedisServer {
                         process: Mutex::new(process),
                         port,
                         cluster_port,
+                        tls_port,
                         dir,
                         opts,
                     })
@@ -297,6 +394,19 @@ impl RedisServer {
         self.cluster_port
     }
 
+    /// The TLS port (with [`RedisOptions::tls`] only).
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
+    }
+
+    /// `rediss://127.0.0.1:<tls port>`, without credentials; panics without TLS.
+    pub fn tls_url(&self) -> String {
+        let port = self
+            .tls_port
+            .unwrap_or_else(|| panic!("redis on port {} has no TLS port", self.port));
+        format!("rediss://127.0.0.1:{port}")
+    }
+
     pub fn pid(&self) -> u32 {
         self.proc().pid()
     }
@@ -319,9 +429,10 @@ impl RedisServer {
         self.process.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// One command with an explicit timeout; transport failures are `Err`.
+    /// One command with an explicit timeout (on the plain port, as the harness's admin user
+    /// when ACLs are on); transport failures are `Err`.
     pub fn try_cmd(&self, args: &[&str], timeout: Duration) -> Result<Resp> {
-        command(self.port, args, timeout)
+        command_as(self.port, self.opts.admin_auth(), args, timeout)
     }
 
     /// One command; panics on transport failure. Error replies are `Resp::Error`.
@@ -377,7 +488,13 @@ impl RedisServer {
         p.kill();
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         loop {
-            match spawn_redis(&self.dir, self.port, self.cluster_port, &self.opts) {
+            match spawn_redis(
+                &self.dir,
+                self.port,
+                self.cluster_port,
+                self.tls_port,
+                &self.opts,
+            ) {
                 Ok(Ok(new)) => {
                     *p = new;
                     return;
@@ -399,6 +516,7 @@ fn spawn_redis(
     dir: &Path,
     port: u16,
     cluster_port: Option<u16>,
+    tls_port: Option<u16>,
     opts: &RedisOptions,
 ) -> Result<Result<ChildProcess>> {
     let mut cmd = Command::new(paths::redis_server_bin());
@@ -434,6 +552,35 @@ fn spawn_redis(
             .args(["--cluster-port", &bus.to_string()])
             .args(["--cluster-announce-ip", "127.0.0.1"]);
     }
+    if let (Some(tls), Some(tls_port)) = (&opts.tls, tls_port) {
+        let yes_no = |b: bool| if b { "yes" } else { "no" };
+        cmd.args(["--tls-port", &tls_port.to_string()])
+            .arg("--tls-cert-file")
+            .arg(&tls.server.cert)
+            .arg("--tls-key-file")
+            .arg(&tls.server.key)
+            .arg("--tls-client-cert-file")
+            .arg(&tls.peer.cert)
+            .arg("--tls-client-key-file")
+            .arg(&tls.peer.key)
+            .arg("--tls-ca-cert-file")
+            .arg(&tls.ca)
+            .args(["--tls-auth-clients", yes_no(tls.require_client_certs)])
+            .args(["--tls-replication", "yes"]);
+        if cluster_port.is_some() {
+            // The cluster bus is TLS too, and CLUSTER SLOTS / NODES report the TLS ports.
+            cmd.args(["--tls-cluster", "yes"]);
+        }
+    }
+    if let Some(user) = &opts.acl_user {
+        // One argument per ACL rule: redis-server joins what follows `--user` itself.
+        cmd.args(["--user", "default", "off"])
+            .args(["--user", ADMIN_USER, "on", &format!(">{ADMIN_PASSWORD}")])
+            .args(["~*", "&*", "+@all"])
+            .args(["--user", &user.name, "on", &format!(">{}", user.password)])
+            .args(["~tollgate:*", "&*", "+@all"])
+            .args(["--masteruser", ADMIN_USER, "--masterauth", ADMIN_PASSWORD]);
+    }
     cmd.args(&opts.extra_args);
     let mut child = ChildProcess::spawn("redis", cmd, dir)?;
     let deadline = Instant::now() + STARTUP_TIMEOUT;
@@ -451,7 +598,12 @@ fn spawn_redis(
                 Err(HarnessError::new(msg))
             };
         }
-        if let Ok(Resp::Bulk(info)) = command(port, &["INFO", "server"], Duration::from_secs(1)) {
+        if let Ok(Resp::Bulk(info)) = command_as(
+            port,
+            opts.admin_auth(),
+            &["INFO", "server"],
+            Duration::from_secs(1),
+        ) {
             if info_field(&info, "process_id").as_deref() == Some(pid.as_str()) {
                 return Ok(Ok(child));
             }
@@ -573,6 +725,25 @@ impl RedisCluster {
     }
 
     pub fn try_start(primaries: usize, replicas_per_primary: usize) -> Result<RedisCluster> {
+        Self::try_start_with(primaries, replicas_per_primary, RedisOptions::default())
+    }
+
+    /// [`RedisCluster::start`] with every node started from `node` (its `tls`, `acl_user`,
+    /// `extra_args`; `dir` and `cluster` are the cluster's own).
+    pub fn start_with(
+        primaries: usize,
+        replicas_per_primary: usize,
+        node: RedisOptions,
+    ) -> RedisCluster {
+        Self::try_start_with(primaries, replicas_per_primary, node)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn try_start_with(
+        primaries: usize,
+        replicas_per_primary: usize,
+        node: RedisOptions,
+    ) -> Result<RedisCluster> {
         if primaries == 0 || primaries > 16384 {
             return Err(HarnessError::new("a cluster needs 1..=16384 primaries"));
         }
@@ -583,7 +754,7 @@ impl RedisCluster {
             nodes.push(RedisServer::try_start_with(RedisOptions {
                 dir: Some(dir.join(format!("node-{i}"))),
                 cluster: true,
-                ..RedisOptions::default()
+                ..node.clone()
             })?);
         }
         let ids = nodes
@@ -768,16 +939,21 @@ impl RedisCluster {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 
+    /// `rediss://127.0.0.1:<tls port>` of every node (TLS clusters only).
+    pub fn tls_urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::tls_url).collect()
+    }
+
     /// The node servers (for `cmd`, `pause`, `resume`, `info`, ...).
     pub fn servers(&self) -> &[RedisServer] {
         &self.nodes
     }
 
-    /// The server listening on `port`.
+    /// The server listening on `port` (its plain or its TLS port).
     pub fn node(&self, port: u16) -> &RedisServer {
         self.nodes
             .iter()
-            .find(|n| n.port() == port)
+            .find(|n| n.port() == port || n.tls_port() == Some(port))
             .unwrap_or_else(|| panic!("no cluster node on port {port}"))
     }
 

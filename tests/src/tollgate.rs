@@ -36,9 +36,14 @@ pub enum Store {
 pub struct Limiter {
     process: ChildProcess,
     port: u16,
+    /// With `--tls-cert` among the flags: the plaintext admin listener (health, readiness,
+    /// metrics) the harness adds, since the lease port then needs a client certificate.
+    admin_port: Option<u16>,
     policies: PathBuf,
     store: Store,
     extra: Vec<String>,
+    /// Environment variables set for the process (besides the test's own).
+    env: Vec<(String, String)>,
 }
 
 impl Limiter {
@@ -49,6 +54,21 @@ impl Limiter {
     }
 
     pub fn try_start(policy: &str, store: Store, extra: &[&str]) -> Result<Limiter> {
+        Self::try_start_with_env(policy, store, extra, &[])
+    }
+
+    /// [`Limiter::try_start`] with environment variables `env` set for the process (e.g. a
+    /// secret that must not be a flag).
+    pub fn try_start_with_env(
+        policy: &str,
+        store: Store,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Limiter> {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         let dir = paths::new_log_dir("", "limiter");
         let policies = dir.join("policies.json");
         std::fs::write(&policies, policy)?;
@@ -56,7 +76,7 @@ impl Limiter {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         for _ in 0..8 {
             let port = free_port();
-            match Self::spawn(&dir, &policies, port, &store, &extra) {
+            match Self::spawn(&dir, &policies, port, &store, &extra, &env) {
                 Ok(limiter) => return Ok(limiter),
                 Err(e) => last = e,
             }
@@ -70,14 +90,23 @@ impl Limiter {
         port: u16,
         store: &Store,
         extra: &[String],
+        env: &[(String, String)],
     ) -> Result<Limiter> {
+        let admin_port = extra
+            .iter()
+            .any(|flag| flag == "--tls-cert")
+            .then(free_port);
         let mut cmd = Command::new(limiter_bin());
+        if let Some(admin) = admin_port {
+            cmd.arg("--admin-listen").arg(format!("127.0.0.1:{admin}"));
+        }
         cmd.arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
             .arg("--policies")
             .arg(policies)
             .args(extra)
-            .env("TOLLGATE_LOG", "info");
+            .env("TOLLGATE_LOG", "info")
+            .envs(env.iter().map(|(k, v)| (k, v)));
         match store {
             Store::Memory => {}
             Store::Redis(url) => {
@@ -103,18 +132,24 @@ impl Limiter {
             {
                 return None;
             }
-            http_blocking::get(port, "/healthz", Duration::from_millis(500))
-                .ok()
-                .filter(|r| r.status == 200)
-                .map(|_| process.is_running())
+            http_blocking::get(
+                admin_port.unwrap_or(port),
+                "/healthz",
+                Duration::from_millis(500),
+            )
+            .ok()
+            .filter(|r| r.status == 200)
+            .map(|_| process.is_running())
         });
         match ready {
             Ok(true) => Ok(Limiter {
                 process,
                 port,
+                admin_port,
                 policies: policies.to_path_buf(),
                 store: store.clone(),
                 extra: extra.to_vec(),
+                env: env.to_vec(),
             }),
             _ => Err(HarnessError::new(format!(
                 "limiter did not start on port {port}:\n{}",
@@ -125,6 +160,12 @@ impl Limiter {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// Where `/healthz`, `/readyz` and `/metrics` answer in plaintext: the admin listener of a
+    /// TLS limiter, else the lease port.
+    pub fn admin_port(&self) -> u16 {
+        self.admin_port.unwrap_or(self.port)
     }
 
     pub fn pid(&self) -> u32 {
@@ -153,7 +194,14 @@ impl Limiter {
         let dir = self.process.log_dir().to_path_buf();
         let mut last = String::new();
         for _ in 0..20 {
-            match Self::spawn(&dir, &self.policies, self.port, &self.store, &self.extra) {
+            match Self::spawn(
+                &dir,
+                &self.policies,
+                self.port,
+                &self.store,
+                &self.extra,
+                &self.env,
+            ) {
                 Ok(fresh) => {
                     *self = fresh;
                     return;
@@ -173,7 +221,7 @@ impl Limiter {
 
     /// `GET /metrics` text.
     pub fn metrics(&self) -> String {
-        http_blocking::get(self.port, "/metrics", Duration::from_secs(5))
+        http_blocking::get(self.admin_port(), "/metrics", Duration::from_secs(5))
             .map(|r| r.body)
             .unwrap_or_default()
     }

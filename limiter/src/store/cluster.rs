@@ -19,6 +19,12 @@
 //! whole cluster connection is replaced (the client has no way to reconnect one node) — the
 //! new one reconnects to every node and reads the slot map afresh; calls in flight on the old
 //! one finish or time out as they would have.
+//!
+//! TLS and ACL credentials come from [`RedisSecurity`] and apply to every node, including the
+//! ones discovered through `CLUSTER SLOTS` (a `tls-cluster` cluster reports its TLS ports
+//! there). When the nodes refuse them, calls are held back (`security::Refusals`: they fail at
+//! once with the reason), a probe tries one new cluster connection per pause, and the store
+//! reconnects once a probe gets through; the slot map is not refreshed meanwhile.
 
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -33,6 +39,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use super::script::{self, Reloader};
+use super::security::{redact_url, Attempt, RedisSecurity, Refusals};
 use super::watchdog::{Watchdog, RECONNECT_AFTER};
 use super::{LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings};
 
@@ -126,6 +133,7 @@ pub struct RedisClusterStore {
     watchdog: Watchdog,
     settings: StoreSettings,
     reloader: Reloader,
+    refusals: Arc<Refusals>,
     slots: Arc<RwLock<SlotMap>>,
     refresh: Arc<Notify>,
     refresher: JoinHandle<()>,
@@ -146,6 +154,13 @@ impl Drop for RedisClusterStore {
     }
 }
 
+/// How the client words "no node could be connected to", which is all it says when every
+/// node refused the connection (TLS, `AUTH`).
+const NO_CONNECTION: &[&str] = &[
+    "ClusterConnectionNotFound",
+    "Failed to create initial connections",
+];
+
 /// Node label of calls whose node the slot map does not know (yet).
 const UNKNOWN_NODE: &str = "unknown";
 
@@ -164,29 +179,39 @@ fn current(conn: &RwLock<ClusterConnection>) -> ClusterConnection {
 }
 
 impl RedisClusterStore {
-    /// A store for the cluster reachable through any of `urls`. Connects in the background
-    /// (an unreachable cluster makes calls fail and `/readyz` say so). Needs a tokio runtime.
-    pub fn new(urls: &[String], settings: StoreSettings) -> Result<Self, StoreError> {
+    /// A store for the cluster reachable through any of `urls` (all `redis://` or all
+    /// `rediss://`), with `security`'s credentials (its files are read now: a bad one is an
+    /// error). Connects in the background (an unreachable cluster, or one that refuses the
+    /// credentials, makes calls fail and `/readyz` say why). Needs a tokio runtime.
+    pub fn new(
+        urls: &[String],
+        security: &RedisSecurity,
+        settings: StoreSettings,
+    ) -> Result<Self, StoreError> {
         if urls.is_empty() {
             return Err(StoreError::Config("no cluster node URL".into()));
         }
-        let client = ClusterClientBuilder::new(urls.iter().map(String::as_str))
+        let shown: Vec<String> = urls.iter().map(|u| redact_url(u)).collect();
+        let builder: ClusterClientBuilder = security.cluster_builder(urls)?;
+        let client = builder
             .connection_timeout(CONNECT_TIMEOUT)
             .response_timeout(RESPONSE_TIMEOUT)
             .retries(3)
             .min_retry_wait(10)
             .max_retry_wait(200)
             .build()
-            .map_err(|e| StoreError::Config(format!("redis cluster {urls:?}: {e}")))?;
+            .map_err(|e| StoreError::Config(format!("redis cluster {shown:?}: {e}")))?;
         let conn = Arc::new(RwLock::new(
             client.get_pending_async_connection_with_config(connection_config()),
         ));
         let slots = Arc::new(RwLock::new(SlotMap::default()));
         let refresh = Arc::new(Notify::new());
+        let refusals = Arc::new(Refusals::default());
         let refresher = tokio::spawn(refresh_slot_map(
             Arc::clone(&conn),
             Arc::clone(&slots),
             Arc::clone(&refresh),
+            Arc::clone(&refusals),
         ));
         Ok(Self {
             client,
@@ -194,6 +219,7 @@ impl RedisClusterStore {
             watchdog: Watchdog::default(),
             settings,
             reloader: Reloader::default(),
+            refusals,
             slots,
             refresh,
             refresher,
@@ -232,20 +258,49 @@ impl RedisClusterStore {
         if let Some(node) = silent {
             tracing::warn!(%node, after = ?RECONNECT_AFTER,
                 "no answer from a Redis Cluster node; replacing the cluster connection");
-            let fresh = self
-                .client
-                .get_pending_async_connection_with_config(connection_config());
-            match self.conn.write() {
-                Ok(mut conn) => *conn = fresh,
-                Err(poisoned) => *poisoned.into_inner() = fresh,
-            }
-            self.watchdog.reset();
+            self.replace_connection();
             for node in nodes {
                 let _ = self.watchdog.call_starts(node, RECONNECT_AFTER);
             }
-            self.refresh.notify_one();
         }
         current(&self.conn)
+    }
+
+    /// Replaces the cluster connection with a new one (it reconnects to the start-up nodes
+    /// and reads the slot map afresh).
+    fn replace_connection(&self) {
+        let fresh = self
+            .client
+            .get_pending_async_connection_with_config(connection_config());
+        match self.conn.write() {
+            Ok(mut conn) => *conn = fresh,
+            Err(poisoned) => *poisoned.into_inner() = fresh,
+        }
+        self.watchdog.reset();
+        self.refresh.notify_one();
+    }
+
+    /// Runs one store operation unless the nodes refuse the credentials (then it fails at once
+    /// with that refusal); once a probe got through, on a new cluster connection.
+    async fn guarded<T>(
+        &self,
+        node: &str,
+        operation: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let retry = || probe(self.client.clone());
+        if self.refusals.before_call(node, retry)? == Attempt::Reconnect {
+            self.replace_connection();
+        }
+        let result = operation.await;
+        if matches!(&result, Err(StoreError::Connection(e)) if NO_CONNECTION.iter().any(|m| e.contains(m)))
+        {
+            // The client hides why it has no connection at all: a refusal would otherwise go
+            // unnamed, and be retried at every call.
+            let diagnosis = || probe(self.client.clone());
+            self.refusals.diagnose(node, diagnosis);
+        }
+        self.refusals.after_call(node, result.as_ref().err());
+        result
     }
 
     /// The primary owning `key`'s slot, as the metrics map knows it.
@@ -328,6 +383,16 @@ impl RedisClusterStore {
     }
 }
 
+/// Whether the cluster takes the credentials now: a new cluster connection (to the start-up
+/// nodes) and `CLUSTER SLOTS`.
+async fn probe(client: ClusterClient) -> Result<(), StoreError> {
+    let conn = client
+        .get_async_connection_with_config(connection_config())
+        .await
+        .map_err(|e| script::map_error(&e))?;
+    fetch_slot_map(&conn).await.map(|_| ())
+}
+
 async fn fetch_slot_map(conn: &ClusterConnection) -> Result<SlotMap, StoreError> {
     let mut conn = conn.clone();
     let mut cmd = redis::cmd("CLUSTER");
@@ -341,13 +406,19 @@ async fn fetch_slot_map(conn: &ClusterConnection) -> Result<SlotMap, StoreError>
 }
 
 /// Keeps the slot map fresh: every [`SLOT_MAP_REFRESH`], and when notified (always on the
-/// current connection).
+/// current connection). While the nodes refuse the credentials it stays off them: the probes
+/// (`security::Refusals`), one per pause, find out when that ends.
 async fn refresh_slot_map(
     conn: Arc<RwLock<ClusterConnection>>,
     slots: Arc<RwLock<SlotMap>>,
     notify: Arc<Notify>,
+    refusals: Arc<Refusals>,
 ) {
     loop {
+        if refusals.holding_back() {
+            let _ = tokio::time::timeout(SLOT_MAP_REFRESH, notify.notified()).await;
+            continue;
+        }
         match tokio::time::timeout(RESPONSE_TIMEOUT, fetch_slot_map(&current(&conn))).await {
             Ok(Ok(map)) => {
                 if let Ok(mut current) = slots.write() {
@@ -356,6 +427,9 @@ async fn refresh_slot_map(
                         *current = map;
                     }
                 }
+            }
+            Ok(Err(e @ (StoreError::Tls(_) | StoreError::Auth(_)))) => {
+                refusals.after_call(UNKNOWN_NODE, Some(&e));
             }
             Ok(Err(e)) => tracing::debug!(error = %e, "cannot refresh the cluster slot map"),
             Err(_) => tracing::debug!("cluster slot map refresh timed out"),
@@ -372,36 +446,59 @@ impl Store for RedisClusterStore {
             .first()
             .map(|item| item.key.as_str())
             .unwrap_or_default();
+        let cmd = script::lease_cmd(items, &self.settings);
         let reply = self
-            .call(key, &script::lease_cmd(items, &self.settings))
+            .guarded(&self.node_of(key), self.call(key, &cmd))
             .await?;
         script::parse_lease_reply(&reply, items.len())
     }
 
     async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {
-        let reply = self.call(&item.key, &script::return_cmd(item)).await?;
+        let cmd = script::return_cmd(item);
+        let reply = self
+            .guarded(&self.node_of(&item.key), self.call(&item.key, &cmd))
+            .await?;
         script::parse_return_reply(&reply)
     }
 
     async fn prepare(&self) -> Result<(), StoreError> {
-        self.load_library().await
+        self.guarded("primaries", self.load_library()).await
     }
 
     async fn ready(&self) -> Result<(), StoreError> {
-        let seen = self.reloader.generation();
-        let reply = match self.on_every_primary(script::ping_cmd()).await {
-            Err(e) if script::is_function_missing(&e) => {
-                self.reloader.reload(seen, || self.load_library()).await?;
-                self.on_every_primary(script::ping_cmd())
-                    .await
-                    .map_err(|e| script::map_error(&e))?
-            }
-            other => other.map_err(|e| script::map_error(&e))?,
-        };
+        let reply = self
+            .guarded("primaries", async {
+                let seen = self.reloader.generation();
+                match self.on_every_primary(script::ping_cmd()).await {
+                    Err(e) if script::is_function_missing(&e) => {
+                        self.reloader.reload(seen, || self.load_library()).await?;
+                        self.on_every_primary(script::ping_cmd())
+                            .await
+                            .map_err(|e| script::map_error(&e))
+                    }
+                    other => other.map_err(|e| script::map_error(&e)),
+                }
+            })
+            .await?;
         script::check_ping_reply(&reply)
     }
 
     async fn active_keys(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        self.guarded("primaries", self.dbsize_per_primary()).await
+    }
+
+    fn node_for(&self, key: &str) -> String {
+        self.node_of(key)
+    }
+
+    fn kind(&self) -> &'static str {
+        "redis-cluster"
+    }
+}
+
+impl RedisClusterStore {
+    /// `DBSIZE` of every primary the slot map knows.
+    async fn dbsize_per_primary(&self) -> Result<Vec<(String, u64)>, StoreError> {
         let mut out = Vec::new();
         for address in self.slot_map().primaries() {
             let Some((host, port)) = address.rsplit_once(':') else {
@@ -426,14 +523,6 @@ impl Store for RedisClusterStore {
             }
         }
         Ok(out)
-    }
-
-    fn node_for(&self, key: &str) -> String {
-        self.node_of(key)
-    }
-
-    fn kind(&self) -> &'static str {
-        "redis-cluster"
     }
 }
 

@@ -23,11 +23,13 @@ mod single;
 
 mod any;
 pub(crate) mod script;
+pub mod security;
 mod watchdog;
 
 pub(crate) use any::AnyStore;
 pub use cluster::RedisClusterStore;
 pub use memory::MemoryStore;
+pub use security::{RedisSecurity, Secret};
 pub use single::RedisStore;
 pub use watchdog::RECONNECT_AFTER;
 
@@ -212,6 +214,13 @@ pub enum StoreError {
     Protocol(String),
     #[error("bad store configuration: {0}")]
     Config(String),
+    /// The TLS handshake failed: Redis' certificate is not one we trust, or Redis refused
+    /// ours (`store::security`).
+    #[error("TLS handshake with the store failed: {0}")]
+    Tls(String),
+    /// Redis refused the user name and password, or wants some (`WRONGPASS`, `NOAUTH`).
+    #[error("authentication with the store failed: {0}")]
+    Auth(String),
 }
 
 impl StoreError {
@@ -225,7 +234,11 @@ impl StoreError {
             | StoreError::Loading
             | StoreError::ReadOnly(_)
             | StoreError::FunctionMissing(_) => true,
-            StoreError::Server(_) | StoreError::Protocol(_) | StoreError::Config(_) => false,
+            StoreError::Server(_)
+            | StoreError::Protocol(_)
+            | StoreError::Config(_)
+            | StoreError::Tls(_)
+            | StoreError::Auth(_) => false,
         }
     }
 
@@ -241,6 +254,8 @@ impl StoreError {
             StoreError::Server(_) => "server",
             StoreError::Protocol(_) => "protocol",
             StoreError::Config(_) => "config",
+            StoreError::Tls(_) => "tls",
+            StoreError::Auth(_) => "auth",
         }
     }
 }
@@ -342,6 +357,10 @@ mod tests {
         assert!(StoreError::Timeout(Duration::from_millis(50)).is_transient());
         assert!(StoreError::FunctionMissing("x".into()).is_transient());
         assert!(!StoreError::Protocol("x".into()).is_transient());
+        assert!(!StoreError::Tls("x".into()).is_transient());
+        assert!(!StoreError::Auth("x".into()).is_transient());
+        assert_eq!(StoreError::Tls("x".into()).kind(), "tls");
+        assert_eq!(StoreError::Auth("x".into()).kind(), "auth");
         assert_eq!(StoreError::Loading.kind(), "loading");
     }
 }

@@ -188,6 +188,10 @@ pub fn map_error(e: &RedisError) -> StoreError {
     if is_function_missing(e) {
         return StoreError::FunctionMissing(e.to_string());
     }
+    // Before the I/O errors: a failed TLS handshake is one, but not a transient one.
+    if let Some(refused) = super::security::credential_error(e) {
+        return refused;
+    }
     if e.is_timeout() {
         return StoreError::Connection(format!("timed out: {e}"));
     }

@@ -12,14 +12,20 @@
 //! call would time out forever. So the store watches for that (`store::watchdog`): when a
 //! call has waited longer than [`RECONNECT_AFTER`] with no answer of any kind since, the
 //! connection is replaced.
+//!
+//! TLS and ACL credentials come from [`RedisSecurity`]. When Redis refuses them (or we refuse
+//! its certificate), retrying is pointless until someone fixes a file or an ACL: the store
+//! holds calls back (`security::Refusals`: they fail at once with the reason), probes with one
+//! connection per pause, and reconnects once a probe gets through.
 
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, Value};
 
 use super::script::{self, Reloader};
+use super::security::{self, Attempt, RedisSecurity, Refusals};
 use super::watchdog::{Watchdog, RECONNECT_AFTER};
 use super::{LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings};
 
@@ -35,6 +41,7 @@ pub struct RedisStore {
     address: String,
     settings: StoreSettings,
     reloader: Reloader,
+    refusals: Arc<Refusals>,
 }
 
 fn connection_config() -> ConnectionManagerConfig {
@@ -56,11 +63,16 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// A store for `url` (`redis://host:port[/db]`). Connects lazily: an unreachable server
-    /// makes calls fail (`UNAVAILABLE`) and `/readyz` say so, but does not stop the limiter.
-    pub fn new(url: &str, settings: StoreSettings) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::Config(format!("redis URL `{url}`: {e}")))?;
+    /// A store for `url` (`redis://host:port[/db]`, or `rediss://` for TLS) with `security`'s
+    /// credentials (its files are read now: a bad one is an error). Connects lazily: an
+    /// unreachable server, or one that refuses the credentials, makes calls fail
+    /// (`UNAVAILABLE`) and `/readyz` say why, but does not stop the limiter.
+    pub fn new(
+        url: &str,
+        security: &RedisSecurity,
+        settings: StoreSettings,
+    ) -> Result<Self, StoreError> {
+        let client = security.client(url)?;
         let address = client.get_connection_info().addr().to_string();
         let conn = ConnectionManager::new_lazy_with_config(client.clone(), connection_config())
             .map_err(|e| StoreError::Config(format!("redis `{address}`: {e}")))?;
@@ -71,23 +83,33 @@ impl RedisStore {
             address,
             settings,
             reloader: Reloader::default(),
+            refusals: Arc::default(),
         })
+    }
+
+    /// Replaces the connection with a new (lazy) one; whether it was replaced.
+    fn replace_connection(&self) -> bool {
+        match ConnectionManager::new_lazy_with_config(self.client.clone(), connection_config()) {
+            Ok(fresh) => {
+                match self.conn.write() {
+                    Ok(mut conn) => *conn = fresh,
+                    Err(poisoned) => *poisoned.into_inner() = fresh,
+                }
+                true
+            }
+            Err(e) => {
+                tracing::warn!(node = %self.address, error = %e, "cannot reconnect");
+                false
+            }
+        }
     }
 
     /// The connection to use for the next call, replaced first if it has gone silent.
     fn connection(&self) -> ConnectionManager {
         if self.watchdog.call_starts(&self.address, RECONNECT_AFTER) {
-            match ConnectionManager::new_lazy_with_config(self.client.clone(), connection_config())
-            {
-                Ok(fresh) => {
-                    tracing::warn!(node = %self.address, after = ?RECONNECT_AFTER,
-                        "no answer from Redis; replacing the connection");
-                    match self.conn.write() {
-                        Ok(mut conn) => *conn = fresh,
-                        Err(poisoned) => *poisoned.into_inner() = fresh,
-                    }
-                }
-                Err(e) => tracing::warn!(node = %self.address, error = %e, "cannot reconnect"),
+            if self.replace_connection() {
+                tracing::warn!(node = %self.address, after = ?RECONNECT_AFTER,
+                    "no answer from Redis; replacing the connection");
             }
             self.watchdog.reset();
         }
@@ -100,12 +122,31 @@ impl RedisStore {
     async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         let mut conn = self.connection();
         let result = cmd.query_async::<Value>(&mut conn).await;
-        // A reply, even an error reply, proves the connection is alive; transport errors
-        // are the manager's to handle.
-        if !matches!(&result, Err(e) if e.is_io_error()) {
+        // A reply, even an error reply, proves the connection is alive (so does a refused
+        // TLS handshake: the peer took part in it); transport errors are the manager's to
+        // handle.
+        if !matches!(&result, Err(e) if e.is_io_error() && security::credential_error(e).is_none())
+        {
             self.watchdog.answered(&self.address);
         }
         result.and_then(Value::extract_error)
+    }
+
+    /// Runs one store operation unless Redis refuses the credentials (then it fails at once
+    /// with that refusal); once a probe got through, on a new connection.
+    async fn guarded<T>(
+        &self,
+        operation: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let retry = || probe(self.client.clone());
+        if self.refusals.before_call(&self.address, retry)? == Attempt::Reconnect {
+            self.replace_connection();
+            self.watchdog.reset();
+        }
+        let result = operation.await;
+        self.refusals
+            .after_call(&self.address, result.as_ref().err());
+        result
     }
 
     /// Loads (or replaces) the `tollgate_v2` library.
@@ -130,31 +171,52 @@ impl RedisStore {
     }
 }
 
+/// Whether Redis takes the credentials now: one connection (TLS handshake, `AUTH`) and a
+/// `PING`, without retries.
+async fn probe(client: redis::Client) -> Result<(), StoreError> {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(Some(CONNECT_TIMEOUT));
+    let mut conn = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .map_err(|e| script::map_error(&e))?;
+    redis::cmd("PING")
+        .query_async::<Value>(&mut conn)
+        .await
+        .and_then(Value::extract_error)
+        .map(|_| ())
+        .map_err(|e| script::map_error(&e))
+}
+
 impl Store for RedisStore {
     async fn lease(&self, items: &[LeaseItem]) -> Result<LeaseOutcome, StoreError> {
-        let reply = self.call(&script::lease_cmd(items, &self.settings)).await?;
+        let cmd = script::lease_cmd(items, &self.settings);
+        let reply = self.guarded(self.call(&cmd)).await?;
         script::parse_lease_reply(&reply, items.len())
     }
 
     async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {
-        let reply = self.call(&script::return_cmd(item)).await?;
+        let cmd = script::return_cmd(item);
+        let reply = self.guarded(self.call(&cmd)).await?;
         script::parse_return_reply(&reply)
     }
 
     async fn prepare(&self) -> Result<(), StoreError> {
-        self.load_library().await
+        self.guarded(self.load_library()).await
     }
 
     async fn ready(&self) -> Result<(), StoreError> {
-        let reply = self.call(&script::ping_cmd()).await?;
+        let cmd = script::ping_cmd();
+        let reply = self.guarded(self.call(&cmd)).await?;
         script::check_ping_reply(&reply)
     }
 
     async fn active_keys(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let cmd = redis::cmd("DBSIZE");
         let reply = self
-            .query(&redis::cmd("DBSIZE"))
-            .await
-            .map_err(|e| script::map_error(&e))?;
+            .guarded(async { self.query(&cmd).await.map_err(|e| script::map_error(&e)) })
+            .await?;
         match reply {
             Value::Int(n) => Ok(vec![(self.address.clone(), u64::try_from(n).unwrap_or(0))]),
             other => Err(StoreError::Protocol(format!("DBSIZE: {other:?}"))),

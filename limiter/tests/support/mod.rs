@@ -19,9 +19,11 @@ use serde_json::Value;
 use tollgate_core::assign::Holding;
 use tollgate_core::bucket::{BucketState, Limits};
 use tollgate_core::policy::Policies;
+use tollgate_e2e::pki::{CertFiles, TestCa};
+use tollgate_e2e::redis::RedisOptions;
 use tollgate_e2e::redis::Resp;
-use tollgate_e2e::{RedisCluster, RedisServer, RequestSpec};
-use tollgate_limiter::store::{LeaseItem, MemoryStore, ReturnItem, StoreSettings};
+use tollgate_e2e::{AclUser, RedisCluster, RedisServer, RedisTls, RequestSpec};
+use tollgate_limiter::store::{LeaseItem, MemoryStore, RedisSecurity, ReturnItem, StoreSettings};
 use tollgate_limiter::{serve, Running, ServerConfig, StoreConfig};
 
 /// Policies every test uses. "Negligible refill" policies refill 1 unit per hour, so a test
@@ -132,8 +134,140 @@ pub fn shared_redis() -> &'static RedisServer {
 
 /// One 3-primary/3-replica Redis Cluster for the whole test binary.
 pub fn shared_cluster() -> &'static RedisCluster {
-    static C: OnceLock<RedisCluster> = OnceLock::new();
-    C.get_or_init(|| RedisCluster::start(3, 1))
+    SHARED_CLUSTER.get_or_init(|| RedisCluster::start(3, 1))
+}
+
+static SHARED_CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
+static SHARED_TLS_REDIS: OnceLock<TlsRedis> = OnceLock::new();
+static SHARED_TLS_CLUSTER: OnceLock<TlsCluster> = OnceLock::new();
+
+/// The ACL user the TLS fixtures' limiter authenticates as.
+pub const TLS_USER: &str = "tollgate";
+
+/// Certificates and credentials for a TLS Redis (made at test time in `dir`, never
+/// committed): a CA that signs Redis' certificate and the limiter's client certificate, and
+/// an ACL user's password in a file.
+pub struct TlsPki {
+    pub dir: PathBuf,
+    pub redis: RedisTls,
+    pub client: CertFiles,
+    pub user: AclUser,
+    pub password_file: PathBuf,
+}
+
+impl TlsPki {
+    /// A fresh CA and everything it signs, with client certificates required by Redis.
+    pub fn new(label: &str) -> TlsPki {
+        let dir = tollgate_e2e::paths::new_log_dir("", label);
+        let ca = TestCa::new("tollgate test CA");
+        let redis = RedisTls::new(&ca, &dir, true);
+        let client = ca.client(&dir, "limiter", None);
+        let user = AclUser {
+            name: TLS_USER.into(),
+            password: format!("pw-{}", unique("acl")),
+        };
+        let password_file = dir.join("redis-password");
+        std::fs::write(&password_file, format!("{}\n", user.password)).expect("password file");
+        TlsPki {
+            dir,
+            redis,
+            client,
+            user,
+            password_file,
+        }
+    }
+
+    /// Options for a server (or every cluster node) with this TLS and this user.
+    pub fn options(&self, name: &str) -> RedisOptions {
+        RedisOptions {
+            name: name.into(),
+            tls: Some(self.redis.clone()),
+            acl_user: Some(self.user.clone()),
+            ..RedisOptions::default()
+        }
+    }
+
+    /// What the limiter is given: the CA, its certificate and key, the user and the file.
+    pub fn security(&self) -> RedisSecurity {
+        RedisSecurity {
+            ca: Some(self.redis.ca.clone()),
+            client_cert: Some(self.client.cert.clone()),
+            client_key: Some(self.client.key.clone()),
+            username: Some(self.user.name.clone()),
+            password: None,
+            password_file: Some(self.password_file.clone()),
+        }
+    }
+}
+
+/// A TLS Redis (client certificates required, an ACL user) and the limiter's credentials.
+pub struct TlsRedis {
+    pub pki: TlsPki,
+    pub server: RedisServer,
+    pub security: RedisSecurity,
+}
+
+/// A TLS Redis Cluster (3 primaries; TLS cluster bus; client certificates required, an ACL
+/// user) and the limiter's credentials.
+pub struct TlsCluster {
+    pub pki: TlsPki,
+    pub cluster: RedisCluster,
+    pub security: RedisSecurity,
+}
+
+/// One TLS Redis for the whole test binary.
+pub fn shared_tls_redis() -> &'static TlsRedis {
+    SHARED_TLS_REDIS.get_or_init(|| {
+        let pki = TlsPki::new("limiter-shared-tls-pki");
+        let server = RedisServer::start_with(pki.options("limiter-shared-tls"));
+        let security = pki.security();
+        TlsRedis {
+            pki,
+            server,
+            security,
+        }
+    })
+}
+
+/// One TLS Redis Cluster for the whole test binary.
+pub fn shared_tls_cluster() -> &'static TlsCluster {
+    SHARED_TLS_CLUSTER.get_or_init(|| {
+        let pki = TlsPki::new("limiter-shared-tls-cluster-pki");
+        let cluster = RedisCluster::start_with(3, 0, pki.options(""));
+        let security = pki.security();
+        TlsCluster {
+            pki,
+            cluster,
+            security,
+        }
+    })
+}
+
+fn port_of(node: &str) -> Option<u16> {
+    node.rsplit(':').next()?.parse().ok()
+}
+
+/// The shared server a store with node address `node` talks to: the TLS one if it is at its
+/// TLS port, else the plain one.
+pub fn redis_serving(node: &str) -> &'static RedisServer {
+    match (SHARED_TLS_REDIS.get(), port_of(node)) {
+        (Some(tls), Some(port)) if tls.server.tls_port() == Some(port) => &tls.server,
+        _ => shared_redis(),
+    }
+}
+
+/// The shared cluster a store with node address `node` talks to.
+pub fn cluster_serving(node: &str) -> &'static RedisCluster {
+    let has = |cluster: &RedisCluster, port: u16| {
+        cluster
+            .servers()
+            .iter()
+            .any(|n| n.port() == port || n.tls_port() == Some(port))
+    };
+    match (SHARED_TLS_CLUSTER.get(), port_of(node)) {
+        (Some(tls), Some(port)) if has(&tls.cluster, port) => &tls.cluster,
+        _ => shared_cluster(),
+    }
 }
 
 /// A bucket as a store holds it, read behind the store's back.
