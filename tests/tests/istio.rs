@@ -8,7 +8,9 @@
 //! envoy/istio/: the WasmPlugin rendered by `just istio` (tools/render-istio) pins exactly the
 //! image `just oci` built and carries exactly the policy document; every Istio resource passes
 //! the OpenAPI schemas of Istio's CRDs; the filter loads the plugin configuration in the shape
-//! Istio hands it over (JSON text, empty vm_id, limiter cluster named `outbound|...`).
+//! Istio hands it over (JSON text, empty vm_id, limiter cluster named `outbound|...`); the mesh
+//! guards the limiter (PeerAuthentication STRICT on its pods, DestinationRule ISTIO_MUTUAL, an
+//! AuthorizationPolicy that admits only the gateways' service accounts).
 
 mod ops;
 
@@ -177,8 +179,9 @@ fn istio_resources_pass_the_istio_crd_schemas() {
     let (ok, report) = validate_istio(&files);
     assert!(ok, "Istio schema validation failed:\n{report}");
     assert!(
-        report.contains("3 Istio resource(s) checked, 0 invalid"),
-        "expected WasmPlugin, DestinationRule and ServiceEntry to be checked:\n{report}"
+        report.contains("5 Istio resource(s) checked, 0 invalid"),
+        "expected WasmPlugin, DestinationRule, ServiceEntry, PeerAuthentication and \
+         AuthorizationPolicy to be checked:\n{report}"
     );
 
     // The checker is not a rubber stamp: a bad enum value, a bad digest and a typo'd field
@@ -196,6 +199,153 @@ fn istio_resources_pass_the_istio_crd_schemas() {
         let (ok, report) = validate_istio(&[bad]);
         assert!(!ok, "a WasmPlugin with a bad {name} passed:\n{report}");
     }
+    // Nor for the resources that guard the limiter: a weaker or misspelt mode, a bad action
+    // and a typo'd principals field are refused.
+    for (file, from, to) in [
+        (
+            "limiter-peerauthentication.yaml",
+            "mode: STRICT",
+            "mode: STRICTER",
+        ),
+        (
+            "limiter-destinationrule.yaml",
+            "mode: ISTIO_MUTUAL",
+            "mode: ISTIO",
+        ),
+        (
+            "limiter-authorizationpolicy.yaml",
+            "action: ALLOW",
+            "action: PERMIT",
+        ),
+        (
+            "limiter-authorizationpolicy.yaml",
+            "principals:",
+            "principles:",
+        ),
+    ] {
+        let text = std::fs::read_to_string(root().join("envoy/istio").join(file)).unwrap();
+        assert!(text.contains(from), "{file} has no `{from}`");
+        let bad = dir.join(format!(
+            "bad-{}",
+            file.replace(".yaml", "-") + to.split(':').next().unwrap() + ".yaml"
+        ));
+        std::fs::write(&bad, text.replacen(from, to, 1)).unwrap();
+        let (ok, report) = validate_istio(&[bad]);
+        assert!(!ok, "{file} with `{to}` passed:\n{report}");
+    }
+}
+
+/// The labels of the limiter's pods (deploy/k8s) and their namespace.
+fn limiter_pods() -> (Value, String) {
+    let d = yaml_doc(&root().join("deploy/k8s/base/deployment.yaml"));
+    (
+        field(&d, "spec.template.metadata.labels").clone(),
+        str_field(&d, "metadata.namespace").to_string(),
+    )
+}
+
+/// A workload selector that selects exactly the limiter's pods' labels (non-empty: an empty
+/// selector would apply the resource to the whole namespace).
+fn selects_the_limiter(resource: &Value, pod_labels: &Value) -> bool {
+    let selector = field(resource, "spec.selector.matchLabels")
+        .as_object()
+        .unwrap();
+    !selector.is_empty() && selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v))
+}
+
+#[test]
+fn the_mesh_guards_the_limiter_with_mutual_tls_and_authorization() {
+    let (pod_labels, ns) = limiter_pods();
+    let dir = root().join("envoy/istio");
+
+    // The limiter's sidecars accept only mesh mTLS, on every port.
+    let pa = yaml_doc(&dir.join("limiter-peerauthentication.yaml"));
+    assert_eq!(str_field(&pa, "apiVersion"), "security.istio.io/v1");
+    assert_eq!(str_field(&pa, "kind"), "PeerAuthentication");
+    assert_eq!(str_field(&pa, "metadata.namespace"), ns);
+    assert!(selects_the_limiter(&pa, &pod_labels), "{pa}");
+    assert_eq!(str_field(&pa, "spec.mtls.mode"), "STRICT");
+    assert!(
+        pa["spec"].get("portLevelMtls").is_none(),
+        "no port may be exempted from STRICT: {pa}"
+    );
+
+    // The gateways' callouts to the limiter are Istio mTLS.
+    let dr = yaml_doc(&dir.join("limiter-destinationrule.yaml"));
+    assert_eq!(str_field(&dr, "metadata.namespace"), ns);
+    assert_eq!(
+        str_field(&dr, "spec.trafficPolicy.tls.mode"),
+        "ISTIO_MUTUAL"
+    );
+    assert!(
+        dr["spec"]["trafficPolicy"]
+            .get("portLevelSettings")
+            .is_none(),
+        "no port-level setting may override the TLS mode: {dr}"
+    );
+
+    // Only the gateways' service accounts may call, and only on the lease port.
+    let ap = yaml_doc(&dir.join("limiter-authorizationpolicy.yaml"));
+    assert_eq!(str_field(&ap, "apiVersion"), "security.istio.io/v1");
+    assert_eq!(str_field(&ap, "kind"), "AuthorizationPolicy");
+    assert_eq!(str_field(&ap, "metadata.namespace"), ns);
+    assert!(selects_the_limiter(&ap, &pod_labels), "{ap}");
+    assert_eq!(str_field(&ap, "spec.action"), "ALLOW");
+    let svc = yaml_doc(&root().join("deploy/k8s/base/service.yaml"));
+    let lease_port = svc["spec"]["ports"][0]["port"]
+        .as_u64()
+        .unwrap()
+        .to_string();
+    let rules = field(&ap, "spec.rules").as_array().unwrap();
+    assert!(
+        !rules.is_empty(),
+        "an ALLOW policy without rules denies everything"
+    );
+    let mut principals = Vec::new();
+    for rule in rules {
+        // A rule without `from` would admit every caller; `when` conditions are not used.
+        let from = rule["from"].as_array().filter(|f| !f.is_empty());
+        assert!(
+            from.is_some(),
+            "a rule without sources admits everyone: {rule}"
+        );
+        assert!(rule.get("when").is_none(), "{rule}");
+        for source in from.unwrap() {
+            let source = &source["source"];
+            let keys: Vec<&String> = source.as_object().unwrap().keys().collect();
+            assert_eq!(keys, ["principals"], "sources by principal only: {source}");
+            for p in source["principals"].as_array().unwrap() {
+                let p = p.as_str().unwrap();
+                let parts: Vec<&str> = p.split('/').collect();
+                assert!(
+                    parts.len() == 5 && parts[1] == "ns" && parts[3] == "sa" && !p.contains('*'),
+                    "a principal is <trust domain>/ns/<namespace>/sa/<account>, no wildcard: {p}"
+                );
+                principals.push(p.to_string());
+            }
+        }
+        let ports: Vec<&str> = rule["to"]
+            .as_array()
+            .unwrap_or_else(|| panic!("a rule limited to the lease port: {rule}"))
+            .iter()
+            .flat_map(|t| t["operation"]["ports"].as_array().unwrap())
+            .map(|p| p.as_str().unwrap())
+            .collect();
+        assert_eq!(ports, [lease_port.as_str()], "{rule}");
+    }
+    // The gateway of the WasmPlugin's namespace is among them.
+    let template = std::fs::read_to_string(dir.join("wasmplugin.yaml.tmpl")).unwrap();
+    let gateway_ns = template
+        .lines()
+        .find_map(|l| l.strip_prefix("  namespace: "))
+        .unwrap()
+        .trim();
+    assert!(
+        principals
+            .iter()
+            .any(|p| p.contains(&format!("/ns/{gateway_ns}/sa/"))),
+        "no principal of the gateway namespace {gateway_ns}: {principals:?}"
+    );
 }
 
 /// An Envoy bootstrap with the wasm filter configured the way istiod configures a
