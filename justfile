@@ -114,9 +114,11 @@ dashboard:
     tools/gen-dashboard
 
 # (The bench profile here skips fat LTO: the release profile is tuned for the .wasm.)
+# Per store it also runs h2c next to HTTP/2 over mutual TLS (client certificate) in alternating
+# rounds and prints the ratio. More flags go to the bench: `just bench-limiter 5 --only memory`.
 # Limiter leases/s, p50/p99 over HTTP on Redis, a 3x1 cluster and memory, next to redis-benchmark.
-bench-limiter seconds="5":
-    CARGO_PROFILE_BENCH_LTO=false CARGO_PROFILE_BENCH_CODEGEN_UNITS=16 CARGO_PROFILE_BENCH_OPT_LEVEL=3 CARGO_PROFILE_BENCH_PANIC=unwind cargo bench -p tollgate-limiter --bench leases -- --seconds {{seconds}}
+bench-limiter seconds="5" *args:
+    CARGO_PROFILE_BENCH_LTO=false CARGO_PROFILE_BENCH_CODEGEN_UNITS=16 CARGO_PROFILE_BENCH_OPT_LEVEL=3 CARGO_PROFILE_BENCH_PANIC=unwind cargo bench -p tollgate-limiter --bench leases -- --seconds {{seconds}} {{args}}
 
 # tollgate vs Envoy's own limiters and a per-request global check, side by side: interleaved
 # rounds, ratios, Redis calls, peak RSS; writes bench/results/latest.{md,json}. Needs wrk.

@@ -6,34 +6,39 @@
 //!   1  Envoy, no rate-limit filter (ceiling)       2  Envoy's local_ratelimit filter
 //!   3  tollgate, no policy matches                 4  tollgate, one local policy
 //!   5  tollgate, one global policy (leases)        6  the same, batching off (lease_max 1)
+//!   5t 5 with the limiter behind mutual TLS: Envoy runs `envoy/global-mtls.yaml` (client
+//!      certificate and limiter CA by SDS from files), the limiter `--tls-cert/--tls-key/
+//!      --tls-client-ca/--tls-allow`; certificates made for the run (`tollgate_e2e::pki`).
+//!      Envoy's connections to the limiter are long-lived: handshakes are counted, not timed
 //!   5h 5 with leases sized for 1 s of demand instead of 250 ms (`limiter.lease_horizon`)
 //!   1u, 5u: 1 and 5 against a real HTTP upstream instead of a direct response
 //!   7  over limit: two Envoys, one global policy, paced demand per key at 3 × the rate split
 //!      evenly, 10 × split evenly and 10 × split 3:1, by a Rust load generator (`paced.rs`:
 //!      per-answer status and latency, which wrk cannot give)
-//! 1–6 never deny. Every process is killed when the driver exits (the harness ties children to
-//! it), also on Ctrl-C.
+//! 1–6 and 5t never deny. Every process is killed when the driver exits (the harness ties
+//! children to it), also on Ctrl-C.
 //!
 //! Flags: --rounds N (3) --seconds S (5) --warmup S (2) --connections N (64) --threads N (1)
 //! --concurrency N (Envoy workers, 1) --tenants N (100) --distribution zipf|uniform (zipf)
-//! --only 1,2,5 (scenario ids; 7 for the over-limit run) --s7-seconds S (8, per variant and
-//! round: 3 rounds take about 80 s) --out DIR
-//! (bench/results) --no-write (print only).
+//! --only 1,2,5 (scenario ids, e.g. `--only 5,5t`; 7 for the over-limit run) --s7-seconds S
+//! (8, per variant and round: 3 rounds take about 80 s) --out DIR (bench/results) --no-write
+//! (print only).
 
 #![allow(clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tollgate_bench::config::{self, PolicyDoc, CLOSED, ROUTE};
+use tollgate_bench::config::{self, MtlsFiles, PolicyDoc, CLOSED, ROUTE};
 use tollgate_bench::micro;
 use tollgate_bench::paced;
 use tollgate_bench::report::{InstanceRun, Latency, OverLimitRun, Report, Run, Scenario, Setup};
 use tollgate_bench::stats::{cpu_seconds, peak_rss};
 use tollgate_bench::wrk::{self, Load};
+use tollgate_e2e::pki::TestCa;
 use tollgate_e2e::redis::commandstats_calls as redis_calls;
 use tollgate_e2e::redis::RedisOptions;
 use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
@@ -136,6 +141,8 @@ struct Spec {
     /// Policy document for tollgate; global ones get a limiter and Redis.
     policy: Option<PolicyDoc<'static>>,
     upstream: bool,
+    /// Global only: the limiter behind mutual TLS (`envoy/global-mtls.yaml`).
+    mtls: bool,
 }
 
 fn specs() -> Vec<Spec> {
@@ -148,6 +155,7 @@ fn specs() -> Vec<Spec> {
             filter: Filter::None,
             policy: None,
             upstream: false,
+            mtls: false,
         },
         Spec {
             id: "2",
@@ -155,6 +163,7 @@ fn specs() -> Vec<Spec> {
             filter: Filter::Native,
             policy: None,
             upstream: false,
+            mtls: false,
         },
         Spec {
             id: "3",
@@ -162,6 +171,7 @@ fn specs() -> Vec<Spec> {
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::local("GET /orders/{id}")),
             upstream: false,
+            mtls: false,
         },
         Spec {
             id: "4",
@@ -169,6 +179,7 @@ fn specs() -> Vec<Spec> {
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::local(ROUTE)),
             upstream: false,
+            mtls: false,
         },
         Spec {
             id: "5",
@@ -176,6 +187,7 @@ fn specs() -> Vec<Spec> {
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::global(None)),
             upstream: false,
+            mtls: false,
         },
         Spec {
             id: "6",
@@ -183,6 +195,15 @@ fn specs() -> Vec<Spec> {
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::global(Some(1))),
             upstream: false,
+            mtls: false,
+        },
+        Spec {
+            id: "5t",
+            title: "5 with the limiter behind mutual TLS (`global-mtls.yaml`)".into(),
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::global(None)),
+            upstream: false,
+            mtls: true,
         },
         Spec {
             id: "5h",
@@ -193,6 +214,7 @@ fn specs() -> Vec<Spec> {
                 ..PolicyDoc::global(None)
             }),
             upstream: false,
+            mtls: false,
         },
         Spec {
             id: "1u",
@@ -200,6 +222,7 @@ fn specs() -> Vec<Spec> {
             filter: Filter::None,
             policy: None,
             upstream: true,
+            mtls: false,
         },
         Spec {
             id: "5u",
@@ -207,6 +230,7 @@ fn specs() -> Vec<Spec> {
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::global(None)),
             upstream: true,
+            mtls: false,
         },
     ]
 }
@@ -218,23 +242,111 @@ fn start_redis(label: &str) -> RedisServer {
     })
 }
 
+/// The identity in the gateway's client certificate, the one the limiter's `--tls-allow` lists.
+const GATEWAY_ID: &str = "spiffe://bench/ns/edge/sa/gateway";
+
+/// Scenario 5t's certificates, made for the run in `dir`, as `envoy/global-mtls.yaml` expects
+/// them: the limiter's (from a limiter CA, naming `tollgate-limiter`) and the gateway's client
+/// certificate (from a gateway CA, which the limiter trusts for callers).
+struct Pki {
+    dir: PathBuf,
+    sds_dir: PathBuf,
+    limiter_cert: PathBuf,
+    limiter_key: PathBuf,
+    gateway_cert: PathBuf,
+    gateway_key: PathBuf,
+    gateway_ca: PathBuf,
+    limiter_ca: PathBuf,
+}
+
+impl Pki {
+    fn new(dir: &Path) -> Pki {
+        let limiter_ca = TestCa::new("bench limiter CA");
+        let gateway_ca = TestCa::new("bench gateway CA");
+        let limiter = limiter_ca.server(dir, "limiter", &["tollgate-limiter", "localhost"]);
+        let gateway = gateway_ca.client(dir, "gateway", Some(GATEWAY_ID));
+        let sds_dir = dir.join("sds");
+        std::fs::create_dir_all(&sds_dir).expect("create the SDS directory");
+        Pki {
+            dir: dir.to_path_buf(),
+            sds_dir,
+            limiter_cert: limiter.cert,
+            limiter_key: limiter.key,
+            gateway_cert: gateway.cert,
+            gateway_key: gateway.key,
+            gateway_ca: gateway_ca.write_cert(dir, "gateway-ca.crt"),
+            limiter_ca: limiter_ca.write_cert(dir, "limiter-ca.crt"),
+        }
+    }
+
+    fn files(&self) -> MtlsFiles<'_> {
+        MtlsFiles {
+            client_cert: &self.gateway_cert,
+            client_key: &self.gateway_key,
+            limiter_ca: &self.limiter_ca,
+            tls_dir: &self.dir,
+            sds_dir: &self.sds_dir,
+        }
+    }
+
+    /// The limiter's flags, as in production (`envoy/global-mtls.yaml`'s header); the harness
+    /// adds `--admin-listen` for its probes.
+    fn limiter_flags(&self) -> Vec<String> {
+        let path = |p: &Path| p.display().to_string();
+        vec![
+            "--tls-cert".into(),
+            path(&self.limiter_cert),
+            "--tls-key".into(),
+            path(&self.limiter_key),
+            "--tls-client-ca".into(),
+            path(&self.gateway_ca),
+            "--tls-allow".into(),
+            GATEWAY_ID.into(),
+        ]
+    }
+
+    /// Writes the shipped SDS files, pointed at this run's certificates, into `sds_dir`.
+    fn write_sds(&self) -> Result<(), String> {
+        let root = paths::workspace_root();
+        for file in config::MTLS_SDS_FILES {
+            let shipped = std::fs::read_to_string(root.join("envoy/tls").join(file))
+                .map_err(|e| format!("envoy/tls/{file}: {e}"))?;
+            let local = config::mtls_sds(&shipped, &self.files())
+                .map_err(|e| format!("envoy/tls/{file}: {e}"))?;
+            std::fs::write(self.sds_dir.join(file), local)
+                .map_err(|e| format!("write {file}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
 fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
     let global = spec.policy.as_ref().is_some_and(|p| p.scope == "global");
     let policy = spec
         .policy
         .as_ref()
         .map_or_else(|| PolicyDoc::local(ROUTE).json(), PolicyDoc::json);
+    let edit = |r: Result<String, String>| r.unwrap_or_else(|e| panic!("S{}: {e}", spec.id));
+    let pki = (global && spec.mtls).then(|| {
+        let pki = Pki::new(&paths::new_log_dir("bench", &format!("s{}-pki", spec.id)));
+        if let Err(e) = pki.write_sds() {
+            panic!("S{}: {e}", spec.id);
+        }
+        pki
+    });
     let (redis, limiter) = if global {
         let redis = start_redis(spec.id);
-        let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+        let flags = pki.as_ref().map(Pki::limiter_flags).unwrap_or_default();
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &flags);
         (Some(redis), Some(limiter))
     } else {
         (None, None)
     };
-    let shipped = if global {
-        "envoy/global.yaml"
-    } else {
-        "envoy/local.yaml"
+    let shipped = match (global, &pki) {
+        (true, Some(_)) => "envoy/global-mtls.yaml",
+        (true, None) => "envoy/global.yaml",
+        (false, _) => "envoy/local.yaml",
     };
     let mut yaml = envoy_config(
         shipped,
@@ -242,7 +354,9 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
         upstream.port(),
         limiter.as_ref().map(Limiter::port),
     );
-    let edit = |r: Result<String, String>| r.unwrap_or_else(|e| panic!("S{}: {e}", spec.id));
+    if let Some(pki) = &pki {
+        yaml = edit(config::with_mtls_paths(&yaml, &pki.files()));
+    }
     yaml = match spec.filter {
         Filter::None => edit(config::without_wasm(&yaml)),
         Filter::Native => edit(config::with_native_local_ratelimit(&yaml)),
@@ -309,6 +423,20 @@ fn filter_counters(envoy: &Envoy) -> Vec<(String, u64)> {
         (
             "wait_deadline_passed".into(),
             prometheus_value(&text, "tollgate_wait_deadline_passed") as u64,
+        ),
+        // Envoy's connections to the limiter, and the TLS handshakes on them (none over h2c):
+        // long-lived, so a handful for the whole run, none per request.
+        (
+            "limiter_connections".into(),
+            envoy
+                .counter("cluster.tollgate_limiter.upstream_cx_total")
+                .unwrap_or(0),
+        ),
+        (
+            "limiter_tls_handshakes".into(),
+            envoy
+                .counter("cluster.tollgate_limiter.ssl.handshake")
+                .unwrap_or(0),
         ),
     ]
 }

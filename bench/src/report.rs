@@ -20,7 +20,7 @@ pub struct Run {
 /// Everything measured for one scenario.
 #[derive(Debug, Clone, Default)]
 pub struct Scenario {
-    /// `1`..`6`, `1u`, `5u`.
+    /// `1`..`6`, `5h`, `5t`, `1u`, `5u`.
     pub id: String,
     pub title: String,
     pub runs: Vec<Run>,
@@ -239,6 +239,29 @@ pub struct Setup {
     pub distribution: String,
 }
 
+/// Scenario 5t (the limiter behind mutual TLS) next to 5 (h2c) and 4, each ratio the median
+/// of per-round ratios of runs made in the same rounds.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MtlsComparison {
+    /// Rounds in which both 5 and 5t ran.
+    pub rounds: usize,
+    pub rps: Option<f64>,
+    /// 5t's req/s over 5's in each of those rounds (how far the noise goes).
+    pub rps_per_round: Vec<f64>,
+    pub p50: Option<f64>,
+    pub p99: Option<f64>,
+    /// CPU per request: Envoy's, and the limiter's plus Redis'.
+    pub envoy_cpu: Option<f64>,
+    pub backend_cpu: Option<f64>,
+    /// req/s over S4's, for 5t and for 5 (`S5 ≥ 0.95 × S4` is a target).
+    pub s5t_to_s4: Option<f64>,
+    pub s5_to_s4: Option<f64>,
+    /// Envoy's TLS handshakes with the limiter and connections to it, whole run (warm-up
+    /// included).
+    pub handshakes: u64,
+    pub connections: u64,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Report {
     pub setup: Setup,
@@ -343,17 +366,22 @@ impl Report {
 
     /// Median over rounds of `metric(a) / metric(b)` measured in the same round.
     fn paired(&self, a: &str, b: &str, metric: impl Fn(&Measured) -> f64) -> Option<f64> {
-        let (a, b) = (self.scenario(a)?, self.scenario(b)?);
-        let ratios = a
-            .runs
+        median(self.per_round(a, b, metric))
+    }
+
+    /// `metric(a) / metric(b)` of every round both ran, in `a`'s order of rounds.
+    fn per_round(&self, a: &str, b: &str, metric: impl Fn(&Measured) -> f64) -> Vec<f64> {
+        let (Some(a), Some(b)) = (self.scenario(a), self.scenario(b)) else {
+            return Vec::new();
+        };
+        a.runs
             .iter()
             .filter_map(|ra| {
                 let rb = b.runs.iter().find(|rb| rb.round == ra.round)?;
                 let denominator = metric(&rb.measured);
                 (denominator > 0.0).then(|| metric(&ra.measured) / denominator)
             })
-            .collect();
-        median(ratios)
+            .collect()
     }
 
     /// Throughput of `a` relative to `b` (median of per-round ratios).
@@ -363,8 +391,17 @@ impl Report {
 
     /// Envoy CPU per request of `a` relative to `b` (median of per-round ratios).
     pub fn cpu_ratio(&self, a: &str, b: &str) -> Option<f64> {
+        self.cpu_ratio_of(a, b, |r| r.envoy_cpu_s)
+    }
+
+    /// Limiter plus Redis CPU per request of `a` relative to `b` (median of per-round ratios).
+    pub fn backend_cpu_ratio(&self, a: &str, b: &str) -> Option<f64> {
+        self.cpu_ratio_of(a, b, |r| r.backend_cpu_s)
+    }
+
+    fn cpu_ratio_of(&self, a: &str, b: &str, cpu: fn(&Run) -> Option<f64>) -> Option<f64> {
         let (sa, sb) = (self.scenario(a)?, self.scenario(b)?);
-        let per_request = |r: &Run| r.envoy_cpu_s.map(|c| c / r.measured.requests.max(1) as f64);
+        let per_request = |r: &Run| cpu(r).map(|c| c / r.measured.requests.max(1) as f64);
         let ratios = sa
             .runs
             .iter()
@@ -381,6 +418,34 @@ impl Report {
     /// p99 latency of `a` relative to `b` (median of per-round ratios).
     pub fn p99_ratio(&self, a: &str, b: &str) -> Option<f64> {
         self.paired(a, b, |m| m.p99_us as f64)
+    }
+
+    /// p50 latency of `a` relative to `b` (median of per-round ratios).
+    pub fn p50_ratio(&self, a: &str, b: &str) -> Option<f64> {
+        self.paired(a, b, |m| m.p50_us as f64)
+    }
+
+    /// Scenario 5t next to 5 and 4; `None` unless both 5 and 5t ran.
+    pub fn mtls(&self) -> Option<MtlsComparison> {
+        let (s5, s5t) = (self.scenario("5")?, self.scenario("5t")?);
+        let rounds = s5t
+            .runs
+            .iter()
+            .filter(|t| s5.runs.iter().any(|p| p.round == t.round))
+            .count();
+        Some(MtlsComparison {
+            rounds,
+            rps: self.rps_ratio("5t", "5"),
+            rps_per_round: self.per_round("5t", "5", Measured::rps),
+            p50: self.p50_ratio("5t", "5"),
+            p99: self.p99_ratio("5t", "5"),
+            envoy_cpu: self.cpu_ratio("5t", "5"),
+            backend_cpu: self.backend_cpu_ratio("5t", "5"),
+            s5t_to_s4: self.rps_ratio("5t", "4"),
+            s5_to_s4: self.rps_ratio("5", "4"),
+            handshakes: s5t.counter("limiter_tls_handshakes"),
+            connections: s5t.counter("limiter_connections"),
+        })
     }
 
     /// The issue's targets: `(what, measured, met)`.
@@ -592,8 +657,39 @@ impl Report {
             }
         }
         if let (Some(cpu4), Some(cpu5)) = (self.cpu_ratio("4", "3"), self.cpu_ratio("5", "3")) {
+            let cpu5t = self
+                .cpu_ratio("5t", "3")
+                .map_or(String::new(), |r| format!(", S5t {r:.2}"));
             md.push_str(&format!(
-                "- Envoy CPU per request relative to S3 (less sensitive to the load generator's share of the cores than req/s): S4 {cpu4:.2}, S5 {cpu5:.2}.\n"
+                "- Envoy CPU per request relative to S3 (less sensitive to the load generator's share of the cores than req/s): S4 {cpu4:.2}, S5 {cpu5:.2}{cpu5t}.\n"
+            ));
+        }
+        if let Some(m) = self.mtls() {
+            let num = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.2}"));
+            let s4 = match (m.s5t_to_s4, m.s5_to_s4) {
+                (None, None) => String::new(),
+                (t, p) => format!(" Relative to S4 (req/s): S5t {}, S5 {}.", num(t), num(p)),
+            };
+            let per_round: Vec<String> =
+                m.rps_per_round.iter().map(|r| format!("{r:.2}")).collect();
+            let plural =
+                |n: u64, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
+            md.push_str(&format!(
+                "- S5t (the limiter behind mutual TLS, `envoy/global-mtls.yaml`) relative to S5 \
+                 (h2c), measured in the same {rounds} rounds: req/s {rps} (per round: \
+                 {per_round}), p50 {p50}, p99 {p99}, Envoy CPU per request {cpu}, limiter + Redis \
+                 CPU per request {backend}.{s4} Envoy made {handshakes} with the limiter over the \
+                 whole run ({connections}, warm-up included): the connections are long-lived, so \
+                 no handshake is on the per-request path.\n",
+                rounds = m.rounds,
+                rps = num(m.rps),
+                per_round = per_round.join(", "),
+                p50 = num(m.p50),
+                p99 = num(m.p99),
+                cpu = num(m.envoy_cpu),
+                backend = num(m.backend_cpu),
+                handshakes = plural(m.handshakes, "TLS handshake", "TLS handshakes"),
+                connections = plural(m.connections, "connection", "connections"),
             ));
         }
         if let Some(first) = self.over_limit.first() {
@@ -690,6 +786,8 @@ impl Report {
                     "envoy_cpu_us_per_request": sc.cpu_us_per_request().0,
                     "limiter_and_redis_cpu_us_per_request": sc.cpu_us_per_request().1,
                     "envoy_cpu_ratio_to_s3": if sc.id.ends_with('u') { None } else { self.cpu_ratio(&sc.id, "3") },
+                    "ratio_to_s4": if sc.id.ends_with('u') { None } else { self.rps_ratio(&sc.id, "4") },
+                    "ratio_to_s5": if sc.id == "5t" { self.rps_ratio(&sc.id, "5") } else { None },
                     "redis_fcall_per_1k": sc.redis_per_1k().map(|r| r.0),
                     "redis_all_per_1k": sc.redis_per_1k().map(|r| r.1),
                     "envoy_peak_rss_bytes": sc.envoy_peak_rss,
@@ -784,6 +882,21 @@ impl Report {
             .into_iter()
             .map(|(what, measured, met)| json!({"target": what, "measured": measured, "met": met}))
             .collect();
+        let mtls = self.mtls().map(|m| {
+            json!({
+                "rounds": m.rounds,
+                "rps_ratio_to_s5": m.rps,
+                "rps_ratio_to_s5_per_round": m.rps_per_round,
+                "p50_ratio_to_s5": m.p50,
+                "p99_ratio_to_s5": m.p99,
+                "envoy_cpu_ratio_to_s5": m.envoy_cpu,
+                "limiter_and_redis_cpu_ratio_to_s5": m.backend_cpu,
+                "s5t_rps_ratio_to_s4": m.s5t_to_s4,
+                "s5_rps_ratio_to_s4": m.s5_to_s4,
+                "limiter_tls_handshakes": m.handshakes,
+                "limiter_connections": m.connections,
+            })
+        });
         json!({
             "setup": {
                 "date": s.date,
@@ -799,6 +912,7 @@ impl Report {
                 "distribution": s.distribution,
             },
             "scenarios": scenarios,
+            "mtls": mtls,
             "over_limit": over_limit,
             "targets": targets,
         })
@@ -859,6 +973,52 @@ mod tests {
         let md = report.markdown();
         assert!(md.contains("| 4 |"), "{md}");
         assert!(md.contains("S4 ≥ 0.95 × S3 (req/s) | 0.950 | met"), "{md}");
+    }
+
+    #[test]
+    fn mutual_tls_is_compared_with_s5_in_the_same_rounds() {
+        let scenario = |id: &str, runs: Vec<Run>| Scenario {
+            id: id.into(),
+            runs,
+            counters: vec![
+                ("limiter_tls_handshakes".into(), 2),
+                ("limiter_connections".into(), 2),
+            ],
+            ..Scenario::default()
+        };
+        let mut report = Report {
+            scenarios: vec![
+                scenario("4", vec![run(0, 1000, 100), run(1, 1000, 100)]),
+                scenario("5", vec![run(0, 1000, 100), run(1, 800, 100)]),
+                scenario("5t", vec![run(0, 900, 110), run(1, 780, 120)]),
+            ],
+            ..Report::default()
+        };
+        let m = report.mtls().unwrap_or_default();
+        assert_eq!(m.rounds, 2);
+        // Per-round ratios 0.9 and 0.975: the median of two is their mean.
+        assert!((m.rps.unwrap_or(0.0) - 0.9375).abs() < 1e-9, "{m:?}");
+        assert_eq!(m.rps_per_round.len(), 2);
+        assert!((m.p99.unwrap_or(0.0) - 1.15).abs() < 1e-9, "{m:?}");
+        assert_eq!(m.envoy_cpu, Some(1.0));
+        assert_eq!(m.backend_cpu, None);
+        assert!((m.s5t_to_s4.unwrap_or(0.0) - 0.84).abs() < 1e-9, "{m:?}");
+        assert_eq!(m.handshakes, 2);
+        let md = report.markdown();
+        assert!(md.contains("| 5t |"), "{md}");
+        assert!(md.contains("S5t (the limiter behind mutual TLS"), "{md}");
+        assert!(md.contains("req/s 0.94 (per round: 0.90, 0.97)"), "{md}");
+        assert!(md.contains("2 TLS handshakes"), "{md}");
+        let json = report.json();
+        assert_eq!(json["mtls"]["rounds"], 2);
+        assert_eq!(
+            json["scenarios"][2]["ratio_to_s5"],
+            json["mtls"]["rps_ratio_to_s5"]
+        );
+        assert!(json["scenarios"][1]["ratio_to_s5"].is_null());
+        report.scenarios.retain(|s| s.id != "5t");
+        assert_eq!(report.mtls(), None);
+        assert!(report.json()["mtls"].is_null());
     }
 
     #[test]
