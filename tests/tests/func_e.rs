@@ -25,6 +25,7 @@ use std::process::Command;
 use ops::{root, run, scratch, yaml_docs};
 use serde_json::Value;
 use tollgate_e2e::paths;
+use tollgate_e2e::pki::TestCa;
 
 fn envoy_configs() -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("envoy"))
@@ -95,16 +96,48 @@ fn envoy_configs_are_static_bootstraps_func_e_can_run() {
     }
 }
 
+/// The config to validate for `rel`: itself, or — for the production config, whose
+/// certificates live under `/etc/tollgate/` — a copy in `dir` whose shipped SDS files
+/// (`envoy/tls/`) point at certificates made for this test, so Envoy checks the real TLS
+/// and SDS configuration.
+fn with_test_certificates(rel: &Path, dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(root().join(rel)).unwrap();
+    if !text.contains("/etc/tollgate/") {
+        return rel.to_path_buf();
+    }
+    let limiter_ca = TestCa::new("limiter CA");
+    let gateway_ca = TestCa::new("gateway CA");
+    let gateway = gateway_ca.client(dir, "gateway", None);
+    let ca_file = limiter_ca.write_cert(dir, "limiter-ca.crt");
+    let show = |p: &Path| p.display().to_string();
+    for sds in ["limiter-client-sds.yaml", "limiter-ca-sds.yaml"] {
+        let shipped = std::fs::read_to_string(root().join("envoy/tls").join(sds)).unwrap();
+        let local = shipped
+            .replace("/etc/tollgate/tls/gateway.crt", &show(&gateway.cert))
+            .replace("/etc/tollgate/tls/gateway.key", &show(&gateway.key))
+            .replace("/etc/tollgate/tls/limiter-ca.crt", &show(&ca_file));
+        std::fs::write(dir.join(sds), local).unwrap();
+    }
+    let local = text
+        .replace("/etc/tollgate/envoy/", &format!("{}/", dir.display()))
+        .replace("/etc/tollgate/tls", &show(dir));
+    assert!(!local.contains("/etc/tollgate/"), "{}", rel.display());
+    let copy = dir.join(rel.file_name().unwrap());
+    std::fs::write(&copy, local).unwrap();
+    copy
+}
+
 #[test]
 fn envoy_accepts_each_config_with_func_e_arguments() {
     paths::wasm_path(); // fails early with a clear message when the filter is not built
     for config in envoy_configs() {
         let rel = config.strip_prefix(root()).unwrap();
         let run_dir = scratch("func-e-run");
+        let config_arg = with_test_certificates(rel, &run_dir);
         // What `func-e run -c envoy/<file>.yaml` execs, from the repository root.
         let mut cmd = Command::new(paths::envoy_bin());
         cmd.arg("-c")
-            .arg(rel)
+            .arg(&config_arg)
             .arg("--admin-address-path")
             .arg(run_dir.join("admin-address.txt"))
             .args(["--mode", "validate", "-l", "warn"])
