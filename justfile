@@ -101,7 +101,8 @@ k8s-policies:
 # Renders target/istio/wasmplugin.yaml from envoy/istio/wasmplugin.yaml.tmpl with the digest
 # of the image `just oci` has just built and the policy document as pluginConfig. Apply with
 #   kubectl apply -f target/istio/wasmplugin.yaml -f envoy/istio/stats-bootstrap.yaml \
-#     -f envoy/istio/limiter-destinationrule.yaml
+#     -f envoy/istio/limiter-destinationrule.yaml -f envoy/istio/limiter-peerauthentication.yaml \
+#     -f envoy/istio/limiter-authorizationpolicy.yaml
 # Arguments are positional: just istio policies/payments-global.json registry.internal/tollgate
 # (global limiting, with the limiter of deploy/k8s).
 
