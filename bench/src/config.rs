@@ -5,12 +5,9 @@
 //!
 //! Three edits are applied to the shipped text, each checked to apply exactly once: answer on
 //! the ingress route with a `direct_response` instead of the upstream, drop the wasm filter
-//! (the ceiling), or put Envoy's native `local_ratelimit` filter in its place. For the mutual-
-//! TLS config, its `/etc/tollgate/...` paths and the shipped SDS files (`envoy/tls/`) are
-//! pointed at certificates made for the run ([`MtlsFiles`]), as `tests/tests/limiter_tls.rs`
-//! does.
-
-use std::path::Path;
+//! (the ceiling), or put Envoy's native `local_ratelimit` filter in its place. The mutual-TLS
+//! config's `/etc/tollgate/...` paths and its SDS files are pointed at certificates made for
+//! the run by [`tollgate_e2e::mtls::MtlsSetup`], as in the end-to-end tests.
 
 /// The tollgate filter's first line in the shipped configs' ingress filter chain.
 const WASM_FILTER: &str = "          - name: envoy.filters.http.wasm\n";
@@ -76,65 +73,6 @@ fn replace_once(text: &str, from: &str, to: &str) -> Result<String, String> {
             from.trim()
         )),
     }
-}
-
-/// The shipped SDS files `envoy/global-mtls.yaml` reads (in `envoy/tls/`).
-pub const MTLS_SDS_FILES: [&str; 2] = ["limiter-client-sds.yaml", "limiter-ca-sds.yaml"];
-
-/// Where one run's mutual-TLS files are: the gateway's client certificate and key, the CA of
-/// the limiter's certificate, the directory that holds them (Envoy watches it) and the one
-/// the rendered SDS files go to.
-pub struct MtlsFiles<'a> {
-    pub client_cert: &'a Path,
-    pub client_key: &'a Path,
-    pub limiter_ca: &'a Path,
-    pub tls_dir: &'a Path,
-    pub sds_dir: &'a Path,
-}
-
-fn display(p: &Path) -> String {
-    p.display().to_string()
-}
-
-/// A shipped SDS file (`envoy/tls/*.yaml`) naming this run's certificate files.
-pub fn mtls_sds(shipped: &str, files: &MtlsFiles<'_>) -> Result<String, String> {
-    let local = shipped
-        .replace("/etc/tollgate/tls/gateway.crt", &display(files.client_cert))
-        .replace("/etc/tollgate/tls/gateway.key", &display(files.client_key))
-        .replace(
-            "/etc/tollgate/tls/limiter-ca.crt",
-            &display(files.limiter_ca),
-        );
-    if local == shipped {
-        return Err("the SDS file names none of the shipped certificate paths".into());
-    }
-    if local.contains("/etc/tollgate/") {
-        return Err("the SDS file names a path the benchmark does not provide".into());
-    }
-    Ok(local)
-}
-
-/// `envoy/global-mtls.yaml` (already through `envoy_config`) reading its SDS files from
-/// `files.sds_dir` and watching `files.tls_dir`.
-pub fn with_mtls_paths(yaml: &str, files: &MtlsFiles<'_>) -> Result<String, String> {
-    if !yaml.contains("UpstreamTlsContext") {
-        return Err("no TLS transport socket on the limiter cluster".into());
-    }
-    let local = yaml
-        .replace(
-            "/etc/tollgate/envoy/",
-            &format!("{}/", display(files.sds_dir)),
-        )
-        .replace("/etc/tollgate/tls", &display(files.tls_dir));
-    // Comments may still name the production paths; the config itself must not.
-    let stray = local
-        .lines()
-        .filter(|l| !l.trim_start().starts_with('#'))
-        .any(|l| l.contains("/etc/tollgate/"));
-    if stray {
-        return Err("a path under /etc/tollgate/ is left in the config".into());
-    }
-    Ok(local)
 }
 
 /// The route every benchmark request takes (`GET /items/<n>`, see `bench/wrk/tenants.lua`).
@@ -281,33 +219,6 @@ mod tests {
         }
         assert!(direct_response("nothing").is_err());
         assert!(without_wasm("nothing").is_err());
-    }
-
-    #[test]
-    fn the_mtls_config_reads_the_run_s_certificates() {
-        let dir = Path::new("/run/bench");
-        let files = MtlsFiles {
-            client_cert: &dir.join("gateway.crt"),
-            client_key: &dir.join("gateway.key"),
-            limiter_ca: &dir.join("limiter-ca.crt"),
-            tls_dir: dir,
-            sds_dir: &dir.join("sds"),
-        };
-        let root = tollgate_e2e::paths::workspace_root();
-        for file in MTLS_SDS_FILES {
-            let sds = std::fs::read_to_string(root.join("envoy/tls").join(file));
-            let local = mtls_sds(&sds.unwrap_or_default(), &files);
-            assert!(
-                local.as_ref().is_ok_and(|l| l.contains("/run/bench/")),
-                "{file}: {local:?}"
-            );
-        }
-        let yaml = with_mtls_paths(&shipped("envoy/global-mtls.yaml"), &files);
-        let yaml = yaml.unwrap_or_default();
-        assert!(yaml.contains("path: /run/bench/sds/limiter-client-sds.yaml"));
-        assert!(yaml.contains("watched_directory: { path: /run/bench }"));
-        assert!(with_mtls_paths(&shipped("envoy/global.yaml"), &files).is_err());
-        assert!(mtls_sds("resources: []", &files).is_err());
     }
 
     #[test]

@@ -27,18 +27,18 @@
 #![allow(clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tollgate_bench::config::{self, MtlsFiles, PolicyDoc, CLOSED, ROUTE};
+use tollgate_bench::config::{self, PolicyDoc, CLOSED, ROUTE};
 use tollgate_bench::micro;
 use tollgate_bench::paced;
 use tollgate_bench::report::{InstanceRun, Latency, OverLimitRun, Report, Run, Scenario, Setup};
 use tollgate_bench::stats::{cpu_seconds, peak_rss};
 use tollgate_bench::wrk::{self, Load};
-use tollgate_e2e::pki::TestCa;
+use tollgate_e2e::mtls::MtlsSetup;
 use tollgate_e2e::redis::commandstats_calls as redis_calls;
 use tollgate_e2e::redis::RedisOptions;
 use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
@@ -245,81 +245,6 @@ fn start_redis(label: &str) -> RedisServer {
 /// The identity in the gateway's client certificate, the one the limiter's `--tls-allow` lists.
 const GATEWAY_ID: &str = "spiffe://bench/ns/edge/sa/gateway";
 
-/// Scenario 5t's certificates, made for the run in `dir`, as `envoy/global-mtls.yaml` expects
-/// them: the limiter's (from a limiter CA, naming `tollgate-limiter`) and the gateway's client
-/// certificate (from a gateway CA, which the limiter trusts for callers).
-struct Pki {
-    dir: PathBuf,
-    sds_dir: PathBuf,
-    limiter_cert: PathBuf,
-    limiter_key: PathBuf,
-    gateway_cert: PathBuf,
-    gateway_key: PathBuf,
-    gateway_ca: PathBuf,
-    limiter_ca: PathBuf,
-}
-
-impl Pki {
-    fn new(dir: &Path) -> Pki {
-        let limiter_ca = TestCa::new("bench limiter CA");
-        let gateway_ca = TestCa::new("bench gateway CA");
-        let limiter = limiter_ca.server(dir, "limiter", &["tollgate-limiter", "localhost"]);
-        let gateway = gateway_ca.client(dir, "gateway", Some(GATEWAY_ID));
-        let sds_dir = dir.join("sds");
-        std::fs::create_dir_all(&sds_dir).expect("create the SDS directory");
-        Pki {
-            dir: dir.to_path_buf(),
-            sds_dir,
-            limiter_cert: limiter.cert,
-            limiter_key: limiter.key,
-            gateway_cert: gateway.cert,
-            gateway_key: gateway.key,
-            gateway_ca: gateway_ca.write_cert(dir, "gateway-ca.crt"),
-            limiter_ca: limiter_ca.write_cert(dir, "limiter-ca.crt"),
-        }
-    }
-
-    fn files(&self) -> MtlsFiles<'_> {
-        MtlsFiles {
-            client_cert: &self.gateway_cert,
-            client_key: &self.gateway_key,
-            limiter_ca: &self.limiter_ca,
-            tls_dir: &self.dir,
-            sds_dir: &self.sds_dir,
-        }
-    }
-
-    /// The limiter's flags, as in production (`envoy/global-mtls.yaml`'s header); the harness
-    /// adds `--admin-listen` for its probes.
-    fn limiter_flags(&self) -> Vec<String> {
-        let path = |p: &Path| p.display().to_string();
-        vec![
-            "--tls-cert".into(),
-            path(&self.limiter_cert),
-            "--tls-key".into(),
-            path(&self.limiter_key),
-            "--tls-client-ca".into(),
-            path(&self.gateway_ca),
-            "--tls-allow".into(),
-            GATEWAY_ID.into(),
-        ]
-    }
-
-    /// Writes the shipped SDS files, pointed at this run's certificates, into `sds_dir`.
-    fn write_sds(&self) -> Result<(), String> {
-        let root = paths::workspace_root();
-        for file in config::MTLS_SDS_FILES {
-            let shipped = std::fs::read_to_string(root.join("envoy/tls").join(file))
-                .map_err(|e| format!("envoy/tls/{file}: {e}"))?;
-            let local = config::mtls_sds(&shipped, &self.files())
-                .map_err(|e| format!("envoy/tls/{file}: {e}"))?;
-            std::fs::write(self.sds_dir.join(file), local)
-                .map_err(|e| format!("write {file}: {e}"))?;
-        }
-        Ok(())
-    }
-}
-
 fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
     let global = spec.policy.as_ref().is_some_and(|p| p.scope == "global");
     let policy = spec
@@ -327,16 +252,17 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
         .as_ref()
         .map_or_else(|| PolicyDoc::local(ROUTE).json(), PolicyDoc::json);
     let edit = |r: Result<String, String>| r.unwrap_or_else(|e| panic!("S{}: {e}", spec.id));
+    // Scenario 5t's certificates, made for the run, as `envoy/global-mtls.yaml` expects them.
     let pki = (global && spec.mtls).then(|| {
-        let pki = Pki::new(&paths::new_log_dir("bench", &format!("s{}-pki", spec.id)));
-        if let Err(e) = pki.write_sds() {
-            panic!("S{}: {e}", spec.id);
-        }
-        pki
+        let dir = paths::new_log_dir("bench", &format!("s{}-pki", spec.id));
+        MtlsSetup::new(&dir, GATEWAY_ID).unwrap_or_else(|e| panic!("S{}: {e}", spec.id))
     });
     let (redis, limiter) = if global {
         let redis = start_redis(spec.id);
-        let flags = pki.as_ref().map(Pki::limiter_flags).unwrap_or_default();
+        let flags = pki
+            .as_ref()
+            .map(|pki| pki.limiter_flags(GATEWAY_ID))
+            .unwrap_or_default();
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &flags);
         (Some(redis), Some(limiter))
@@ -355,7 +281,7 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
         limiter.as_ref().map(Limiter::port),
     );
     if let Some(pki) = &pki {
-        yaml = edit(config::with_mtls_paths(&yaml, &pki.files()));
+        yaml = edit(pki.localize(&yaml).map_err(|e| e.to_string()));
     }
     yaml = match spec.filter {
         Filter::None => edit(config::without_wasm(&yaml)),

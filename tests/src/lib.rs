@@ -27,6 +27,7 @@ pub mod client;
 pub mod envoy;
 pub mod error;
 pub mod http_blocking;
+pub mod mtls;
 pub mod paths;
 pub mod pki;
 pub mod ports;

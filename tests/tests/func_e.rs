@@ -24,8 +24,8 @@ use std::process::Command;
 
 use ops::{root, run, scratch, yaml_docs};
 use serde_json::Value;
+use tollgate_e2e::mtls::MtlsSetup;
 use tollgate_e2e::paths;
-use tollgate_e2e::pki::TestCa;
 
 fn envoy_configs() -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("envoy"))
@@ -105,23 +105,8 @@ fn with_test_certificates(rel: &Path, dir: &Path) -> PathBuf {
     if !text.contains("/etc/tollgate/") {
         return rel.to_path_buf();
     }
-    let limiter_ca = TestCa::new("limiter CA");
-    let gateway_ca = TestCa::new("gateway CA");
-    let gateway = gateway_ca.client(dir, "gateway", None);
-    let ca_file = limiter_ca.write_cert(dir, "limiter-ca.crt");
-    let show = |p: &Path| p.display().to_string();
-    for sds in ["limiter-client-sds.yaml", "limiter-ca-sds.yaml"] {
-        let shipped = std::fs::read_to_string(root().join("envoy/tls").join(sds)).unwrap();
-        let local = shipped
-            .replace("/etc/tollgate/tls/gateway.crt", &show(&gateway.cert))
-            .replace("/etc/tollgate/tls/gateway.key", &show(&gateway.key))
-            .replace("/etc/tollgate/tls/limiter-ca.crt", &show(&ca_file));
-        std::fs::write(dir.join(sds), local).unwrap();
-    }
-    let local = text
-        .replace("/etc/tollgate/envoy/", &format!("{}/", dir.display()))
-        .replace("/etc/tollgate/tls", &show(dir));
-    assert!(!local.contains("/etc/tollgate/"), "{}", rel.display());
+    let setup = MtlsSetup::new(dir, "spiffe://test/gateway").unwrap();
+    let local = setup.localize(&text).unwrap();
     let copy = dir.join(rel.file_name().unwrap());
     std::fs::write(&copy, local).unwrap();
     copy

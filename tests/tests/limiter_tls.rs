@@ -11,9 +11,9 @@
 //! the handshake and spend nothing; the limiter's certificate is replaced under traffic.
 //! Every certificate is made here, at test time.
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use tollgate_e2e::mtls::MtlsSetup;
 use tollgate_e2e::pki::{CertFiles, TestCa};
 use tollgate_e2e::tls_client::TlsClient;
 use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
@@ -45,100 +45,42 @@ fn item(tenant: &str, i: usize) -> RequestSpec {
     RequestSpec::get(format!("/items/{i}")).header("x-tenant-id", tenant)
 }
 
-/// The certificates of one deployment: the limiter's (from the limiter CA) and the gateways'
-/// (from the gateway CA, which the limiter trusts for callers).
-struct Pki {
-    dir: PathBuf,
-    limiter_ca: TestCa,
-    gateway_ca: TestCa,
-    limiter: CertFiles,
-    gateway: CertFiles,
-    gateway_ca_file: PathBuf,
-    limiter_ca_file: PathBuf,
+/// The limiter's TLS flags (reloading every 100 ms), only callers naming `allow`.
+fn limiter_flags(pki: &MtlsSetup, allow: &str) -> Vec<String> {
+    let mut flags = pki.limiter_flags(allow);
+    flags.extend(["--tls-reload-every".into(), "100ms".into()]);
+    flags
 }
 
-impl Pki {
-    fn new() -> Pki {
-        let dir = paths::new_log_dir("", "pki");
-        let limiter_ca = TestCa::new("limiter CA");
-        let gateway_ca = TestCa::new("gateway CA");
-        let limiter = limiter_ca.server(&dir, "limiter", &["tollgate-limiter", "localhost"]);
-        let gateway = gateway_ca.client(&dir, "gateway", Some("spiffe://test/ns/edge/sa/gateway"));
-        let gateway_ca_file = gateway_ca.write_cert(&dir, "gateway-ca.crt");
-        let limiter_ca_file = limiter_ca.write_cert(&dir, "limiter-ca.crt");
-        Pki {
-            dir,
-            limiter_ca,
-            gateway_ca,
-            limiter,
-            gateway,
-            gateway_ca_file,
-            limiter_ca_file,
-        }
-    }
-
-    /// The limiter's TLS flags (reloading every 100 ms), only callers naming `allow`.
-    fn limiter_flags(&self, allow: &str) -> Vec<String> {
-        [
-            "--tls-cert",
-            &self.limiter.cert.display().to_string(),
-            "--tls-key",
-            &self.limiter.key.display().to_string(),
-            "--tls-client-ca",
-            &self.gateway_ca_file.display().to_string(),
-            "--tls-allow",
-            allow,
-            "--tls-reload-every",
-            "100ms",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    }
-
-    /// A client of the limiter's port that trusts the limiter CA.
-    fn client(&self, identity: Option<&CertFiles>) -> TlsClient {
-        TlsClient::new(self.limiter_ca.cert_pem(), identity)
-    }
+/// A client of the limiter's port that trusts the limiter CA.
+fn client(pki: &MtlsSetup, identity: Option<&CertFiles>) -> TlsClient {
+    TlsClient::new(pki.limiter_ca.cert_pem(), identity)
 }
 
-fn start_limiter(pki: &Pki, policy: &str, allow: &str) -> Limiter {
-    let flags = pki.limiter_flags(allow);
+fn new_pki() -> MtlsSetup {
+    MtlsSetup::new(&paths::new_log_dir("", "pki"), GATEWAY_ID).unwrap()
+}
+
+/// The gateway's identity in its client certificate (a URI SAN).
+const GATEWAY_ID: &str = "spiffe://test/ns/edge/sa/gateway";
+
+fn start_limiter(pki: &MtlsSetup, policy: &str, allow: &str) -> Limiter {
+    let flags = limiter_flags(pki, allow);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     Limiter::start(policy, Store::Memory, &flags)
 }
 
-/// The shipped mTLS config, test-ready: its SDS files (the shipped ones, pointing at this
-/// test's certificates) written next to the test's certificates.
-fn mtls_envoy(pki: &Pki, policy: &str, upstream: &Upstream, limiter_port: u16) -> Envoy {
-    let sds_dir = pki.dir.join("sds");
-    std::fs::create_dir_all(&sds_dir).unwrap();
-    for file in ["limiter-client-sds.yaml", "limiter-ca-sds.yaml"] {
-        let shipped =
-            std::fs::read_to_string(paths::workspace_root().join("envoy/tls").join(file)).unwrap();
-        let local = shipped
-            .replace("/etc/tollgate/tls/gateway.crt", &path(&pki.gateway.cert))
-            .replace("/etc/tollgate/tls/gateway.key", &path(&pki.gateway.key))
-            .replace(
-                "/etc/tollgate/tls/limiter-ca.crt",
-                &path(&pki.limiter_ca_file),
-            );
-        assert_ne!(local, shipped, "{file} names none of the certificate paths");
-        std::fs::write(sds_dir.join(file), local).unwrap();
-    }
+/// The shipped mTLS config, test-ready, reading the shipped SDS files pointed at this test's
+/// certificates.
+fn mtls_envoy(pki: &MtlsSetup, policy: &str, upstream: &Upstream, limiter_port: u16) -> Envoy {
     let config = envoy_config(
         "envoy/global-mtls.yaml",
         policy,
         upstream.port(),
         Some(limiter_port),
-    )
-    .replace("/etc/tollgate/envoy/", &format!("{}/", sds_dir.display()))
-    .replace("/etc/tollgate/tls", &path(&pki.dir));
+    );
+    let config = pki.localize(&config).unwrap();
     Envoy::start(EnvoyOptions::new(config).concurrency(2).log_level("warn"))
-}
-
-fn path(p: &Path) -> String {
-    p.display().to_string()
 }
 
 fn limiter_metric(limiter: &Limiter, series: &str) -> f64 {
@@ -195,10 +137,10 @@ fn the_mtls_config_is_the_global_config_with_tls_to_the_limiter() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoys_lease_over_mutual_tls_and_hold_the_global_budget() {
-    let pki = Pki::new();
+    let pki = new_pki();
     let budget = 60;
     let policy = policy(1, "1h", budget);
-    let limiter = start_limiter(&pki, &policy, "spiffe://test/ns/edge/sa/gateway");
+    let limiter = start_limiter(&pki, &policy, GATEWAY_ID);
     let upstream = Upstream::start();
     let a = mtls_envoy(&pki, &policy, &upstream, limiter.port());
     let b = mtls_envoy(&pki, &policy, &upstream, limiter.port());
@@ -246,7 +188,7 @@ async fn envoys_lease_over_mutual_tls_and_hold_the_global_budget() {
 
 #[test]
 fn callers_without_a_trusted_allowed_certificate_spend_nothing() {
-    let pki = Pki::new();
+    let pki = new_pki();
     let budget = 10;
     let limiter = start_limiter(&pki, &policy(1, "1h", budget), "gateway");
     let port = limiter.port();
@@ -262,7 +204,7 @@ fn callers_without_a_trusted_allowed_certificate_spend_nothing() {
     ];
     for (what, identity, result) in attempts {
         for round in 0..3 {
-            let answer = pki.client(identity).request(
+            let answer = client(&pki, identity).request(
                 port,
                 "POST",
                 "/v1/leases",
@@ -292,8 +234,7 @@ fn callers_without_a_trusted_allowed_certificate_spend_nothing() {
         "a refused caller reached the lease logic:\n{metrics}"
     );
     // ...and the whole budget is still there for the gateway.
-    let gateway = pki
-        .client(Some(&pki.gateway))
+    let gateway = client(&pki, Some(&pki.gateway))
         .request(
             port,
             "POST",
@@ -315,15 +256,14 @@ fn callers_without_a_trusted_allowed_certificate_spend_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_limiter_certificate_is_replaced_under_traffic_without_a_failed_request() {
-    let pki = Pki::new();
+    let pki = new_pki();
     // Far more budget than the traffic needs: every request must pass.
     let policy = policy(100_000, "1s", 100_000);
-    let limiter = start_limiter(&pki, &policy, "spiffe://test/ns/edge/sa/gateway");
+    let limiter = start_limiter(&pki, &policy, GATEWAY_ID);
     let upstream = Upstream::start();
     let envoy = mtls_envoy(&pki, &policy, &upstream, limiter.port());
     let port = envoy.listener_port("ingress");
-    let before = pki
-        .client(Some(&pki.gateway))
+    let before = client(&pki, Some(&pki.gateway))
         .request(limiter.port(), "GET", "/healthz", "", TIMEOUT)
         .unwrap();
     assert_eq!(before.server_cert, pem_der(&pki.limiter.cert_pem));
@@ -377,8 +317,7 @@ async fn the_limiter_certificate_is_replaced_under_traffic_without_a_failed_requ
     );
     assert!(failed.is_empty(), "failed: {:?}", failed.first());
     // New connections get the new certificate; Envoy keeps leasing.
-    let after = pki
-        .client(Some(&pki.gateway))
+    let after = client(&pki, Some(&pki.gateway))
         .request(limiter.port(), "GET", "/healthz", "", TIMEOUT)
         .unwrap();
     assert_eq!(after.server_cert, pem_der(&renewed.cert_pem));
