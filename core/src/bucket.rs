@@ -2,7 +2,9 @@
 //! in-memory store and (mirrored line by line) the limiter's Redis Function.
 //!
 //! Invariants (property-tested in `tests/bucket_props.rs`):
-//! `0 ≤ tokens ≤ capacity`; idle time refills at most to capacity; time that moves backwards
+//! `0 ≤ tokens ≤ capacity` for everything [`try_take`], [`lease`] and [`give_back`] do; only
+//! [`settle`] charges an excess below zero (debt, bounded by the caller), which refills like
+//! any deficit; idle time refills at most to capacity; time that moves backwards
 //! creates nothing (and never moves `updated_ms` back, so the same span is never credited twice);
 //! an admitted cost is taken exactly once; a denial takes nothing and says how long to wait.
 
@@ -88,8 +90,9 @@ impl BucketState {
         }
     }
 
-    /// The state as of `now_ms`: refilled for the elapsed time, clamped to `[0, capacity]`.
-    /// A clock that went backwards refills nothing and leaves `updated_ms` where it was.
+    /// The state as of `now_ms`: refilled for the elapsed time, at most to capacity (a debt
+    /// [`settle`] charged stays below zero until refilled). A clock that went backwards refills
+    /// nothing and leaves `updated_ms` where it was.
     pub fn refilled(self, limits: &Limits, now_ms: u64) -> Self {
         let tokens = if self.tokens.is_finite() {
             self.tokens
@@ -97,7 +100,7 @@ impl BucketState {
             0.0
         };
         let elapsed = now_ms.saturating_sub(self.updated_ms);
-        let tokens = (tokens + elapsed as f64 * limits.refill_per_ms).clamp(0.0, limits.capacity);
+        let tokens = (tokens + elapsed as f64 * limits.refill_per_ms).min(limits.capacity);
         Self {
             tokens,
             updated_ms: self.updated_ms.max(now_ms),
@@ -223,6 +226,52 @@ pub fn give_back(
     }
 }
 
+/// What settling a reserved cost against the actual one did to a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Settled {
+    /// Reserved but not used: given back (at most up to capacity).
+    pub refunded: u64,
+    /// Used beyond the reservation and charged: the bucket went below what it held.
+    pub charged: u64,
+    /// Used beyond the reservation but past the debt bound: not charged.
+    pub uncharged: u64,
+}
+
+/// Settles a request that reserved `reserved` and used `actual`: the difference goes back to
+/// the bucket, or the excess is taken from it, down to `-max_debt` at most (a bucket in debt
+/// refuses every request until refilled past it, so its `Retry-After` covers the debt).
+pub fn settle(
+    limits: &Limits,
+    state: Option<BucketState>,
+    now_ms: u64,
+    reserved: u64,
+    actual: u64,
+    max_debt: u64,
+) -> (BucketState, Settled) {
+    let current = current(limits, state, now_ms);
+    if actual <= reserved {
+        let unused = (reserved - actual) as f64;
+        let tokens = (current.tokens + unused).min(limits.capacity);
+        let refunded = (tokens - current.tokens).max(0.0).round() as u64;
+        let settled = Settled {
+            refunded,
+            ..Settled::default()
+        };
+        return (BucketState { tokens, ..current }, settled);
+    }
+    let excess = actual - reserved;
+    let floor = -(max_debt as f64);
+    let room = (current.tokens - floor).max(0.0).floor() as u64;
+    let charged = excess.min(room);
+    let settled = Settled {
+        refunded: 0,
+        charged,
+        uncharged: excess - charged,
+    };
+    let tokens = (current.tokens - charged as f64).max(floor.min(current.tokens));
+    (BucketState { tokens, ..current }, settled)
+}
+
 fn current(limits: &Limits, state: Option<BucketState>, now_ms: u64) -> BucketState {
     match state {
         Some(state) => state.refilled(limits, now_ms),
@@ -310,6 +359,39 @@ mod tests {
         let (s, _) = try_take(&l, None, 0, 3);
         assert_eq!(give_back(&l, Some(s), 0, 10).tokens, 20.0);
         assert_eq!(give_back(&l, Some(s), 0, 2).tokens, 19.0);
+    }
+
+    #[test]
+    fn settle_refunds_unused_and_charges_excess_as_bounded_debt() {
+        // 1 unit/s, burst 100: refill is negligible within a test.
+        let l = Limits::new(1, 1_000, 100).unwrap();
+        let (s, _) = try_take(&l, None, 0, 100);
+        // Reserved 100, used 30: 70 back.
+        let (s, d) = settle(&l, Some(s), 0, 100, 30, 50);
+        assert_eq!((s.tokens, d.refunded, d.charged), (70.0, 70, 0));
+        let (s, _) = try_take(&l, Some(s), 0, 70);
+        // Reserved 70, used 300: 230 excess, 50 of it fits the debt bound.
+        let (s, d) = settle(&l, Some(s), 0, 70, 300, 50);
+        assert_eq!((s.tokens, d.charged, d.uncharged), (-50.0, 50, 180));
+        // In debt: a cost of 1 waits for 51 tokens, 51 s at 1/s.
+        let (s, d) = try_take(&l, Some(s), 0, 1);
+        assert_eq!(
+            d,
+            Decision::Denied {
+                retry_after_ms: 51_000,
+                remaining: -50.0
+            }
+        );
+        // Repaid by refill, then admitted again.
+        let (_, d) = try_take(&l, Some(s), 51_000, 1);
+        assert!(d.is_allowed());
+        // A refund never lifts a bucket above capacity.
+        let (s, d) = settle(&l, None, 0, 10, 0, 0);
+        assert_eq!((s.tokens, d.refunded), (100.0, 0));
+        // No debt allowed: the whole excess is uncharged, the bucket stays at 0.
+        let (s, _) = try_take(&l, None, 0, 100);
+        let (s, d) = settle(&l, Some(s), 0, 100, 120, 0);
+        assert_eq!((s.tokens, d.charged, d.uncharged), (0.0, 0, 20));
     }
 
     #[test]

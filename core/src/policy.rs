@@ -9,6 +9,7 @@ use crate::bucket::Limits;
 use crate::duration::Millis;
 use crate::key::{self, digest_hex, is_valid_policy_name};
 use crate::route::RouteTemplate;
+use crate::usage::FieldPath;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashSet};
@@ -52,6 +53,84 @@ pub struct PolicySpec {
     /// `false`: shadow mode — decide and count, never deny.
     #[serde(default = "default_true")]
     pub enforce: bool,
+    /// Reserve an estimate read from the request at admission (instead of `cost`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserve: Option<ReserveSpec>,
+    /// Settle the actual cost, read from the response, when the stream ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settle: Option<SettleSpec>,
+    /// Most requests of one key in flight at once on one Envoy instance (all its workers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<u32>,
+    /// A slot of `max_in_flight` whose release never came expires after this long (at most a
+    /// quarter more): set it to the longest a request of the routes may take.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight_timeout: Option<Millis>,
+}
+
+/// Where a number of units is read from.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum UnitsSourceSpec {
+    /// A header (request headers for `reserve`, response headers for `settle`).
+    Header(String),
+    /// A response trailer (`settle` only).
+    Trailer(String),
+    /// A field of a JSON body (for `settle`, also the last event of a `text/event-stream`
+    /// response that carries it).
+    Body(BodyFieldSpec),
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BodyFieldSpec {
+    /// Dot-separated path, e.g. `max_tokens` or `usage.total_tokens`.
+    pub field: String,
+    /// Most bytes of the body read; a longer body reads as "no value" (default 64 KiB for a
+    /// request, 256 KiB for a response; at most 1 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bytes: Option<u64>,
+}
+
+/// The cost a request reserves at admission: `plus` (per route, default 0) and the value read
+/// `from` the request (or `default` when it is absent or unusable), clamped to `[min, max]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReserveSpec {
+    pub from: UnitsSourceSpec,
+    #[serde(default)]
+    pub plus: BTreeMap<String, u64>,
+    pub default: u64,
+    #[serde(default = "default_reserve_min")]
+    pub min: u64,
+    pub max: u64,
+}
+
+fn default_reserve_min() -> u64 {
+    1
+}
+
+/// What a stream without a usable actual cost (reset, upstream error, missing field) settles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnMissingUsage {
+    /// The reservation stands (conservative).
+    #[default]
+    Keep,
+    /// The reservation goes back whole.
+    Refund,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettleSpec {
+    pub from: UnitsSourceSpec,
+    #[serde(default)]
+    pub on_missing: OnMissingUsage,
+    /// Most units an excess may put a key in debt (default: the burst); an excess beyond it is
+    /// counted as uncharged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_debt: Option<u64>,
 }
 
 fn default_true() -> bool {
@@ -335,6 +414,47 @@ pub enum FailureMode {
     },
 }
 
+/// Where units are read from, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub enum UnitsSource {
+    Header(String),
+    Trailer(String),
+    Body { path: FieldPath, max_bytes: usize },
+}
+
+/// A validated `reserve`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reserve {
+    pub source: UnitsSource,
+    pub default: u64,
+    pub min: u64,
+    pub max: u64,
+}
+
+impl Reserve {
+    /// The units to reserve: the route's constant plus the value read (or the default),
+    /// clamped to `[min, max]`.
+    pub fn units(&self, plus: u64, value: Option<u64>) -> u64 {
+        plus.saturating_add(value.unwrap_or(self.default))
+            .clamp(self.min, self.max)
+    }
+}
+
+/// A validated `settle`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settle {
+    pub source: UnitsSource,
+    pub on_missing: OnMissingUsage,
+    pub max_debt: u64,
+}
+
+/// A validated `max_in_flight`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InFlightLimit {
+    pub max: u32,
+    pub timeout_ms: u64,
+}
+
 /// An identity part, ready to be read from a request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KeyPart {
@@ -429,6 +549,10 @@ pub struct Policy {
     pub scope: Scope,
     pub failure: FailureMode,
     pub enforce: bool,
+    /// `None`: the route's constant cost is the cost.
+    pub reserve: Option<Reserve>,
+    pub settle: Option<Settle>,
+    pub in_flight: Option<InFlightLimit>,
 }
 
 /// A request matched by a policy.
@@ -436,6 +560,7 @@ pub struct Policy {
 pub struct RouteMatch<'a> {
     /// The matched template, when the policy declares routes.
     pub route: Option<&'a str>,
+    /// The route's constant cost; with `reserve`, the constant part of the estimate.
     pub cost: u64,
 }
 
@@ -452,7 +577,7 @@ impl Policy {
         if self.routes.is_empty() {
             return Some(RouteMatch {
                 route: None,
-                cost: 1,
+                cost: if self.reserve.is_some() { 0 } else { 1 },
             });
         }
         self.routes
@@ -791,9 +916,23 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         );
     }
 
-    let mut route_costs = vec![1; routes.len()];
-    for (template, cost) in &spec.cost {
-        let field = at(&format!("cost[\"{template}\"]"));
+    let (constants, constants_field, default_constant) = match &spec.reserve {
+        Some(reserve) => {
+            if !spec.cost.is_empty() {
+                errors.push(
+                    name,
+                    at("cost"),
+                    "with `reserve`, a route's constant goes in `reserve.plus`",
+                );
+            }
+            (&reserve.plus, "reserve.plus", 0)
+        }
+        None => (&spec.cost, "cost", 1),
+    };
+    let most = spec.reserve.as_ref().map_or(spec.burst, |r| r.max);
+    let mut route_costs = vec![default_constant; routes.len()];
+    for (template, cost) in constants {
+        let field = at(&format!("{constants_field}[\"{template}\"]"));
         let canonical = RouteTemplate::parse(template).map(|t| t.as_str().to_string());
         let position = canonical
             .as_ref()
@@ -801,14 +940,18 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
             .and_then(|c| routes.iter().position(|r| r.as_str() == c));
         match position {
             None => errors.push(name, field, "names no route of `match.routes`"),
-            Some(_) if *cost == 0 => errors.push(name, field, "must be at least 1"),
-            Some(_) if *cost > spec.burst => errors.push(
+            Some(_) if *cost < default_constant => errors.push(name, field, "must be at least 1"),
+            Some(_) if *cost > most => errors.push(
                 name,
                 field,
-                format!(
-                    "{cost} is more than the burst ({}): such a request could never pass",
-                    spec.burst
-                ),
+                if spec.reserve.is_some() {
+                    format!("{cost} is more than `reserve.max` ({most})")
+                } else {
+                    format!(
+                        "{cost} is more than the burst ({}): such a request could never pass",
+                        spec.burst
+                    )
+                },
             ),
             Some(i) => {
                 if let Some(slot) = route_costs.get_mut(i) {
@@ -817,6 +960,15 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
             }
         }
     }
+    let reserve = spec
+        .reserve
+        .as_ref()
+        .and_then(|r| compile_reserve(r, spec.burst, &at, name, errors));
+    let settle = spec
+        .settle
+        .as_ref()
+        .and_then(|s| compile_settle(s, spec.burst, &at, name, errors));
+    let in_flight = compile_in_flight(spec, &at, name, errors);
 
     let failure = match compile_failure(&spec.on_unavailable) {
         Ok(f) => Some(f),
@@ -845,6 +997,185 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         scope: spec.scope,
         failure: failure?,
         enforce: spec.enforce,
+        reserve,
+        settle,
+        in_flight,
+    })
+}
+
+/// Longest body `reserve` or `settle` may read.
+pub const MAX_BODY_READ: u64 = 1024 * 1024;
+const DEFAULT_REQUEST_BODY_READ: u64 = 64 * 1024;
+const DEFAULT_RESPONSE_BODY_READ: u64 = 256 * 1024;
+const MAX_IN_FLIGHT: u32 = 1_000_000;
+const DEFAULT_IN_FLIGHT_TIMEOUT: Millis = Millis(60_000);
+const MAX_IN_FLIGHT_TIMEOUT_MS: u64 = 24 * 3_600_000;
+
+fn compile_source(
+    spec: &UnitsSourceSpec,
+    field: String,
+    default_bytes: u64,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<UnitsSource> {
+    match spec {
+        UnitsSourceSpec::Header(h) | UnitsSourceSpec::Trailer(h) => {
+            if !is_header_name(h) || h.starts_with(':') {
+                errors.push(
+                    name,
+                    field,
+                    format!("`{h}` is not a lower-case header name"),
+                );
+                return None;
+            }
+            Some(match spec {
+                UnitsSourceSpec::Trailer(_) => UnitsSource::Trailer(h.clone()),
+                _ => UnitsSource::Header(h.clone()),
+            })
+        }
+        UnitsSourceSpec::Body(body) => {
+            let path = match FieldPath::parse(&body.field) {
+                Ok(path) => path,
+                Err(reason) => {
+                    errors.push(name, format!("{field}.body.field"), reason);
+                    return None;
+                }
+            };
+            let max_bytes = body.max_bytes.unwrap_or(default_bytes);
+            if max_bytes == 0 || max_bytes > MAX_BODY_READ {
+                errors.push(
+                    name,
+                    format!("{field}.body.max_bytes"),
+                    format!("must be between 1 and {MAX_BODY_READ}"),
+                );
+                return None;
+            }
+            Some(UnitsSource::Body {
+                path,
+                max_bytes: usize::try_from(max_bytes).ok()?,
+            })
+        }
+    }
+}
+
+fn compile_reserve(
+    spec: &ReserveSpec,
+    burst: u64,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<Reserve> {
+    let before = errors.errors.len();
+    if matches!(spec.from, UnitsSourceSpec::Trailer(_)) {
+        errors.push(
+            name,
+            at("reserve.from"),
+            "a trailer arrives after admission: reserve from a `header` or the request `body`",
+        );
+    }
+    let source = compile_source(
+        &spec.from,
+        at("reserve.from"),
+        DEFAULT_REQUEST_BODY_READ,
+        name,
+        errors,
+    );
+    if spec.min == 0 {
+        errors.push(name, at("reserve.min"), "must be at least 1");
+    }
+    if spec.max < spec.min {
+        errors.push(
+            name,
+            at("reserve.max"),
+            format!("{} is less than `reserve.min` ({})", spec.max, spec.min),
+        );
+    }
+    if spec.max > burst {
+        errors.push(
+            name,
+            at("reserve.max"),
+            format!(
+                "{} is more than the burst ({burst}): such a reservation could never pass",
+                spec.max
+            ),
+        );
+    }
+    if spec.default < spec.min || spec.default > spec.max {
+        errors.push(
+            name,
+            at("reserve.default"),
+            format!("{} is not within [min, max]", spec.default),
+        );
+    }
+    if errors.errors.len() > before {
+        return None;
+    }
+    Some(Reserve {
+        source: source?,
+        default: spec.default,
+        min: spec.min,
+        max: spec.max,
+    })
+}
+
+fn compile_settle(
+    spec: &SettleSpec,
+    burst: u64,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<Settle> {
+    let source = compile_source(
+        &spec.from,
+        at("settle.from"),
+        DEFAULT_RESPONSE_BODY_READ,
+        name,
+        errors,
+    )?;
+    let max_debt = spec.max_debt.unwrap_or(burst);
+    if max_debt > MAX_BURST {
+        errors.push(
+            name,
+            at("settle.max_debt"),
+            format!("must be at most {MAX_BURST}"),
+        );
+        return None;
+    }
+    Some(Settle {
+        source,
+        on_missing: spec.on_missing,
+        max_debt,
+    })
+}
+
+fn compile_in_flight(
+    spec: &PolicySpec,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<InFlightLimit> {
+    let Some(max) = spec.max_in_flight else {
+        if spec.in_flight_timeout.is_some() {
+            errors.push(name, at("in_flight_timeout"), "belongs to `max_in_flight`");
+        }
+        return None;
+    };
+    if max == 0 || max > MAX_IN_FLIGHT {
+        errors.push(
+            name,
+            at("max_in_flight"),
+            format!("must be between 1 and {MAX_IN_FLIGHT}"),
+        );
+        return None;
+    }
+    let timeout = spec.in_flight_timeout.unwrap_or(DEFAULT_IN_FLIGHT_TIMEOUT);
+    if timeout.0 < 1_000 || timeout.0 > MAX_IN_FLIGHT_TIMEOUT_MS {
+        errors.push(name, at("in_flight_timeout"), "must be between 1s and 24h");
+        return None;
+    }
+    Some(InFlightLimit {
+        max,
+        timeout_ms: timeout.0,
     })
 }
 

@@ -125,6 +125,19 @@ pub fn limiter_unavailable(policy: &str) -> LocalReply {
     }
 }
 
+/// The 429 of `max_in_flight`: the key has as many requests in flight as the policy allows.
+/// When one ends is unknown, so `Retry-After` says one second.
+pub fn too_many_in_flight(policy: &str) -> LocalReply {
+    LocalReply {
+        status: 429,
+        headers: vec![
+            ("retry-after".into(), "1".into()),
+            ("content-type".into(), "application/json".into()),
+        ],
+        body: json_body("too many requests in flight", policy, Some(1)),
+    }
+}
+
 /// The 403 of `on_missing_key: deny`: the request lacks the identity the policy keys on.
 pub fn identity_missing(policy: &str) -> LocalReply {
     LocalReply {
@@ -177,5 +190,15 @@ mod tests {
         assert_eq!(limiter_unavailable("p").status, 503);
         assert!(limiter_unavailable("p").body.contains("unavailable"));
         assert_eq!(identity_missing("p").status, 403);
+    }
+
+    #[test]
+    fn in_flight_refusals_say_so() {
+        let reply = too_many_in_flight("p");
+        assert_eq!(reply.status, 429);
+        assert_eq!(
+            reply.body,
+            r#"{"error":"too many requests in flight","policy":"p","retry_after_seconds":1}"#
+        );
     }
 }

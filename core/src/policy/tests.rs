@@ -204,3 +204,139 @@ fn invalid_json_is_reported() {
     assert_eq!(errors[0].field, "(document)");
     assert!(errors[0].reason.contains("not valid JSON"));
 }
+
+#[test]
+fn reserve_settle_and_in_flight_compile() {
+    let doc = r#"{"policies":[{"name":"llm","match":{"routes":["POST /v1/chat"]},
+      "key":[{"header":"x-tenant-id"}],"rate":{"units":1000,"per":"1m"},"burst":4000,
+      "reserve":{"from":{"body":{"field":"max_tokens"}},"plus":{"POST /v1/chat":200},
+                 "default":1000,"max":4000},
+      "settle":{"from":{"body":{"field":"usage.total_tokens"}},"on_missing":"refund"},
+      "max_in_flight":8,"in_flight_timeout":"5m"}]}"#;
+    let policies = Policies::from_json(doc.as_bytes()).unwrap();
+    let p = policies.get("llm").unwrap();
+    let reserve = p.reserve.as_ref().unwrap();
+    assert_eq!((reserve.default, reserve.min, reserve.max), (1000, 1, 4000));
+    assert!(
+        matches!(&reserve.source, UnitsSource::Body { max_bytes: 65_536, path } if path.as_str() == "max_tokens")
+    );
+    assert_eq!(p.match_request("", "POST", "/v1/chat").unwrap().cost, 200);
+    assert_eq!(reserve.units(200, Some(50)), 250);
+    assert_eq!(reserve.units(200, Some(u64::MAX)), 4000);
+    assert_eq!(reserve.units(200, None), 1200);
+    let settle = p.settle.as_ref().unwrap();
+    assert_eq!(
+        (settle.on_missing, settle.max_debt),
+        (OnMissingUsage::Refund, 4000)
+    );
+    assert!(matches!(
+        &settle.source,
+        UnitsSource::Body {
+            max_bytes: 262_144,
+            ..
+        }
+    ));
+    assert_eq!(
+        p.in_flight,
+        Some(InFlightLimit {
+            max: 8,
+            timeout_ms: 300_000
+        })
+    );
+    // Without routes a reservation has no constant part.
+    let p = Policies::from_json(
+        policy(r#","reserve":{"from":{"header":"x-units"},"default":2,"max":5}"#).as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(p.policies[0].match_request("", "GET", "/").unwrap().cost, 0);
+}
+
+#[test]
+fn reserve_settle_and_in_flight_errors_name_the_field() {
+    let routes = r#","match":{"routes":["POST /a"]}"#;
+    for (extra, field, reason) in [
+        (
+            r#","reserve":{"from":{"trailer":"x"},"default":1,"max":5}"#,
+            "policies[0].reserve.from",
+            "trailer",
+        ),
+        (
+            r#","reserve":{"from":{"header":"X-Units"},"default":1,"max":5}"#,
+            "policies[0].reserve.from",
+            "header name",
+        ),
+        (
+            r#","reserve":{"from":{"header":"x"},"default":1,"max":6}"#,
+            "policies[0].reserve.max",
+            "burst",
+        ),
+        (
+            r#","reserve":{"from":{"header":"x"},"default":1,"min":3,"max":2}"#,
+            "policies[0].reserve.max",
+            "less than",
+        ),
+        (
+            r#","reserve":{"from":{"header":"x"},"default":9,"max":5}"#,
+            "policies[0].reserve.default",
+            "within",
+        ),
+        (
+            r#","reserve":{"from":{"header":"x"},"default":1,"min":0,"max":5}"#,
+            "policies[0].reserve.min",
+            "at least 1",
+        ),
+        (
+            r#","reserve":{"from":{"body":{"field":"a..b"}},"default":1,"max":5}"#,
+            "policies[0].reserve.from.body.field",
+            "",
+        ),
+        (
+            r#","settle":{"from":{"body":{"field":"u","max_bytes":0}}}"#,
+            "policies[0].settle.from.body.max_bytes",
+            "between",
+        ),
+        (
+            r#","settle":{"from":{"body":{"field":"u","max_bytes":2000000}}}"#,
+            "policies[0].settle.from.body.max_bytes",
+            "between",
+        ),
+        (
+            r#","max_in_flight":0"#,
+            "policies[0].max_in_flight",
+            "between",
+        ),
+        (
+            r#","in_flight_timeout":"10s""#,
+            "policies[0].in_flight_timeout",
+            "max_in_flight",
+        ),
+        (
+            r#","max_in_flight":2,"in_flight_timeout":"10ms""#,
+            "policies[0].in_flight_timeout",
+            "between",
+        ),
+        (
+            r#","settle":{"from":{"header":"x"},"max_debt":1,"extra":1}"#,
+            "policies[0].settle",
+            "unknown field",
+        ),
+    ] {
+        let errors = errors_of(&policy(extra));
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.field.starts_with(field) && e.reason.contains(reason)),
+            "{extra}: {errors:?}"
+        );
+    }
+    // With `reserve`, route constants go in `reserve.plus`, and must name routes.
+    let errors = errors_of(&policy(&format!(
+        r#"{routes},"cost":{{"POST /a":2}},"reserve":{{"from":{{"header":"x"}},"plus":{{"POST /b":1}},"default":1,"max":5}}"#
+    )));
+    let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+    assert!(fields.contains(&"policies[0].cost"), "{errors:?}");
+    assert!(
+        fields.contains(&"policies[0].reserve.plus[\"POST /b\"]"),
+        "{errors:?}"
+    );
+}
