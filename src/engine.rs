@@ -1,14 +1,17 @@
 //! The filter's decision for one request, free of proxy-wasm so it is tested natively.
 //!
-//! The request path, a file each: [`plan`] matches policies and builds keys once per request;
-//! [`step`] asks each policy's record what it says (the local stage's token bucket, the global
-//! stage's lease or assignment, the failure-mode wrapper); [`commit`] combines the steps into
-//! the verdict and writes the records all-or-nothing. A request that must wait for the limiter
+//! The request path, a file each: [`plan`] matches policies, builds keys and estimates costs
+//! once per request; [`step`] asks each policy's record what it says (in-flight slots, the
+//! local stage's token bucket, the global stage's lease or assignment, the failure-mode
+//! wrapper); [`commit`] combines the steps into the verdict and writes the records
+//! all-or-nothing; [`settle`] applies what the response says the request really cost, and
+//! frees its in-flight slot, when the stream ends. A request that must wait for the limiter
 //! gets [`Verdict::Wait`] plus the leases to ask for; the glue (`worker`) decides the same plan
 //! again when the limiter has answered, and credits answers through [`Engine::credit`].
 
 mod commit;
 mod plan;
+mod settle;
 mod step;
 
 use crate::global::{self, DEADLINE_MARGIN_MS};
@@ -18,6 +21,7 @@ use tollgate_core::policy::{LimiterSpec, Policies, Policy};
 use tollgate_core::response::LocalReply;
 
 pub use commit::when_table_fails;
+pub use settle::{Settlement, Usage};
 
 /// Prefix of every shared-data key the filter writes (Istio shares the empty `vm_id` between
 /// plugins, so ours must not collide with theirs).
@@ -41,6 +45,8 @@ pub enum Outcome {
     FallbackAllowed,
     /// Could not decide; refused by the local fallback budget (over it).
     FallbackDenied,
+    /// The key has `max_in_flight` requests in flight already.
+    InFlightDenied,
 }
 
 /// A policy that applies to the request, with its bucket and cost.
@@ -49,7 +55,34 @@ pub struct Matched {
     pub index: usize,
     pub key: String,
     pub bucket_id: String,
+    /// What the request takes at admission: the route's constant, or the reserved estimate.
     pub cost: u64,
+    /// The estimate is read from the request body, which has not been seen yet: the route's
+    /// constant part of it (until then `cost` holds the estimate's default).
+    pub from_body: Option<u64>,
+}
+
+/// Where an admitted request's cost was taken from: where its settlement goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spent {
+    /// Admitted by a failure mode without taking anything.
+    Nothing,
+    /// The record's token bucket (a local policy, or a global one's fallback budget).
+    Bucket,
+    /// This instance's lease of the global budget.
+    Lease,
+}
+
+/// What an admitted request holds on one policy's record until its stream ends: the cost it
+/// reserved (settled against the actual one) and its in-flight slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admission {
+    pub policy: usize,
+    pub bucket_id: String,
+    pub reserved: u64,
+    pub spent: Spent,
+    /// The epoch of the in-flight slot taken (see `tollgate_core::in_flight`).
+    pub slot: Option<u64>,
 }
 
 /// What a request needs decided; computed once, decided again after each wait.
@@ -68,6 +101,16 @@ impl Plan {
             && self.shadow.is_empty()
             && self.refused.is_none()
             && self.early_outcomes.is_empty()
+    }
+
+    /// Every policy of the plan, enforced and shadow.
+    pub fn matched(&self) -> impl Iterator<Item = &Matched> {
+        self.enforced.iter().chain(&self.shadow)
+    }
+
+    /// Whether a cost still waits for the request body.
+    pub fn needs_body(&self) -> bool {
+        self.refused.is_none() && self.matched().any(|m| m.from_body.is_some())
     }
 }
 
@@ -121,6 +164,11 @@ pub struct Decision {
     /// With [`Verdict::Wait`]: the bucket ids whose lease answers the request waits for
     /// (asked for by this decision, or by another request of this instance).
     pub waiting_for: Vec<String>,
+    /// With [`Verdict::Continue`]: what the request holds until its stream ends (policies with
+    /// a reservation to settle or an in-flight limit).
+    pub admissions: Vec<Admission>,
+    /// In-flight slots that expired without being released, per policy.
+    pub slots_expired: Vec<(usize, u64)>,
 }
 
 impl Decision {
@@ -135,6 +183,8 @@ impl Decision {
             returns: Vec::new(),
             expired: Vec::new(),
             waiting_for: Vec::new(),
+            admissions: Vec::new(),
+            slots_expired: Vec::new(),
         }
     }
 }
@@ -225,8 +275,9 @@ impl Engine {
         let policy = self.policies.policies.get(need.policy);
         self.table.update(store, &need.bucket_id, now_ms, |record| {
             global::apply_grant(record, grant, seq, now_ms, fresh);
+            global::pay_debt(&mut record.lease);
             if let Some(policy) = policy {
-                commit::settle(record, policy);
+                commit::mark_evictable(record, policy, now_ms);
             }
         })
     }
@@ -275,10 +326,13 @@ impl Engine {
         };
         self.table.update(store, &need.bucket_id, now_ms, |record| {
             change(&mut record.lease, settings);
-            commit::settle(record, policy);
+            commit::mark_evictable(record, policy, now_ms);
         })
     }
 }
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod settle_tests;

@@ -3,13 +3,14 @@
 //! return `Result`; the SDK's trait helpers unwrap, and a panic would kill the worker's VM).
 //! The root context owns the worker's callouts (see `worker`).
 
-use crate::engine::{Attempt, Decision, Engine, Plan, Verdict, SHARED_PREFIX};
+use crate::engine::{Admission, Attempt, Decision, Engine, Plan, Usage, Verdict, SHARED_PREFIX};
 use crate::global::DEADLINE_MARGIN_MS;
 use crate::metrics::Metrics;
 use crate::request::{RequestFacts, RequestSource};
+use crate::response_usage::ResponseUsage;
 use crate::shared::{HostSharedData, SharedData, WriteError};
 use crate::table::SlotTable;
-use crate::worker::{Ctx, Host, ResponseHeaders, Worker};
+use crate::worker::{Admitted, Ctx, Host, Worker};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
@@ -196,7 +197,10 @@ impl RootContext for Root {
         Some(Box::new(Http {
             context_id,
             configured: self.configured.clone(),
-            response_headers: Rc::new(RefCell::new(Vec::new())),
+            admitted: Admitted::default(),
+            body_wait: None,
+            usage: None,
+            finished: false,
         }))
     }
 
@@ -268,13 +272,21 @@ fn send_reply(reply: &LocalReply) -> bool {
 struct Http {
     context_id: u32,
     configured: Option<Rc<Configured>>,
-    response_headers: ResponseHeaders,
+    admitted: Admitted,
+    /// The plan waits for the request body (a `reserve` reads it), reading at most this much.
+    body_wait: Option<(Plan, usize)>,
+    /// What the response says the request cost, once its headers arrived.
+    usage: Option<ResponseUsage>,
+    /// The stream end was handled (settlements done, slots released).
+    finished: bool,
 }
 
 impl Context for Http {}
 
 impl Drop for Http {
     fn drop(&mut self) {
+        // A stream Envoy never logged (a VM shutting down) still frees its slots.
+        self.finish();
         if let Some(configured) = &self.configured {
             if let Ok(mut worker) = configured.worker.try_borrow_mut() {
                 worker.forget(self.context_id);
@@ -303,7 +315,7 @@ impl Http {
             plan.clone(),
             decision,
             deadline,
-            self.response_headers.clone(),
+            self.admitted.clone(),
         ) {
             return false;
         }
@@ -315,35 +327,14 @@ impl Http {
             false
         }
     }
-}
 
-/// Wakes this worker's root context (through its shared queue) to send what was queued.
-fn wake(configured: &Configured) -> bool {
-    configured
-        .queue
-        .is_some_and(|queue| hostcalls::enqueue_shared_queue(queue, Some(b"w")).is_ok())
-}
-
-impl HttpContext for Http {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let Some(configured) = self.configured.clone() else {
-            return Action::Continue;
-        };
-        let source = HostRequest;
-        let facts = RequestFacts {
-            method: source.header_text(":method"),
-            path: source.header_text(":path"),
-            host: authority_host(&source.header_text(":authority")),
-        };
+    /// Decides a plan whose costs are known, and acts on the verdict.
+    fn admit(&mut self, configured: &Configured, plan: Plan) -> Action {
         let engine = &configured.engine;
-        let plan = engine.plan(&facts, &source);
-        if plan.is_empty() {
-            return Action::Continue;
-        }
         let now = now_ms();
         let mut decision = engine.decide(&plan, &HostSharedData, now, Attempt::default());
         if decision.verdict == Verdict::Wait
-            && !self.start_waiting(&configured, &plan, &decision, now)
+            && !self.start_waiting(configured, &plan, &decision, now)
         {
             // Too many requests wait already, or nobody could be woken to send the callout:
             // decide now, as if the limiter were unavailable.
@@ -356,38 +347,218 @@ impl HttpContext for Http {
                 .try_borrow_mut()
                 .is_ok_and(|mut worker| worker.queue(&decision));
             if queued {
-                wake(&configured);
+                wake(configured);
             }
         }
-        match &decision.verdict {
-            Verdict::Wait => {
-                // Housekeeping of this first decision (expired leases); outcomes come when it ends.
-                configured.metrics.record(&decision);
-                Action::Pause
-            }
+        // A waiting request's outcomes are counted when it ends; its first decision's
+        // housekeeping (expired leases) now.
+        configured.metrics.record(&decision);
+        match decision.verdict {
+            Verdict::Wait => Action::Pause,
             Verdict::Reply(reply) => {
-                configured.metrics.record(&decision);
-                if send_reply(reply) {
+                if send_reply(&reply) {
                     Action::Pause
                 } else {
                     Action::Continue
                 }
             }
             Verdict::Continue => {
-                configured.metrics.record(&decision);
-                *self.response_headers.borrow_mut() = decision.response_headers.clone();
+                let mut admitted = self.admitted.borrow_mut();
+                admitted.response_headers = decision.response_headers;
+                admitted.admissions = decision.admissions;
                 Action::Continue
             }
         }
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let headers = std::mem::take(&mut *self.response_headers.borrow_mut());
+    /// Applies what the response said about some admissions.
+    fn settle(configured: &Configured, known: Vec<(&Admission, Usage)>) {
+        let now = now_ms();
+        for (admission, usage) in known {
+            Self::apply(configured, admission, Some(usage), false, now);
+        }
+    }
+
+    fn apply(
+        configured: &Configured,
+        admission: &Admission,
+        usage: Option<Usage>,
+        release: bool,
+        now: u64,
+    ) {
+        match configured
+            .engine
+            .finish(&HostSharedData, admission, usage, release, now)
+        {
+            Ok(done) => {
+                configured.metrics.finished(admission.policy, &done);
+                if let Some(units) = done.settled {
+                    if let Ok(mut worker) = configured.worker.try_borrow_mut() {
+                        worker.note_settled(admission.policy, units);
+                    }
+                }
+            }
+            Err(error) => log::warn!("cannot settle a request (table {error:?})"),
+        }
+    }
+
+    /// The stream ended, however it ended: what is not settled yet had no usable actual cost,
+    /// and every in-flight slot is released. Once per request.
+    fn finish(&mut self) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
+        let Some(configured) = self.configured.clone() else {
+            return;
+        };
+        let mut usage = match self.usage.take() {
+            Some(usage) => usage,
+            None => {
+                let admissions = std::mem::take(&mut self.admitted.borrow_mut().admissions);
+                if admissions.is_empty() {
+                    return;
+                }
+                ResponseUsage::new(&configured.engine, admissions)
+            }
+        };
+        let now = now_ms();
+        for (admission, pending) in usage.on_end() {
+            Self::apply(&configured, admission, pending, true, now);
+        }
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(configured) = self.configured.clone() else {
+            return Action::Continue;
+        };
+        let source = HostRequest;
+        let facts = RequestFacts {
+            method: source.header_text(":method"),
+            path: source.header_text(":path"),
+            host: authority_host(&source.header_text(":authority")),
+        };
+        let engine = &configured.engine;
+        let mut plan = engine.plan(&facts, &source);
+        if plan.is_empty() {
+            return Action::Continue;
+        }
+        if plan.needs_body() {
+            if !end_of_stream {
+                // Envoy buffers the body until it is complete or longer than what is read.
+                let max = engine.body_bytes_wanted(&plan);
+                self.body_wait = Some((plan, max));
+                return Action::Pause;
+            }
+            engine.read_body(&mut plan, None);
+        }
+        self.admit(&configured, plan)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let (Some(configured), Some((mut plan, max))) =
+            (self.configured.clone(), self.body_wait.take())
+        else {
+            return Action::Continue;
+        };
+        if !end_of_stream && body_size <= max {
+            self.body_wait = Some((plan, max));
+            return Action::Pause;
+        }
+        let body = if end_of_stream && body_size <= max {
+            hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+                .ok()
+                .map(Option::unwrap_or_default)
+        } else {
+            None
+        };
+        configured.engine.read_body(&mut plan, body.as_deref());
+        self.admit(&configured, plan)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        // A body followed by trailers: the estimate takes its default.
+        let (Some(configured), Some((mut plan, _))) =
+            (self.configured.clone(), self.body_wait.take())
+        else {
+            return Action::Continue;
+        };
+        configured.engine.read_body(&mut plan, None);
+        self.admit(&configured, plan)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let (headers, admissions) = {
+            let mut admitted = self.admitted.borrow_mut();
+            (
+                std::mem::take(&mut admitted.response_headers),
+                std::mem::take(&mut admitted.admissions),
+            )
+        };
         for (name, value) in headers {
             let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, &name, &value);
         }
+        let Some(configured) = self.configured.clone() else {
+            return Action::Continue;
+        };
+        if admissions.is_empty() {
+            return Action::Continue;
+        }
+        let mut usage = ResponseUsage::new(&configured.engine, admissions);
+        let known = usage.on_headers(&configured.engine, response_header, end_of_stream);
+        Self::settle(&configured, known);
+        self.usage = Some(usage);
         Action::Continue
     }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let (Some(configured), Some(usage)) = (self.configured.clone(), self.usage.as_mut()) else {
+            return Action::Continue;
+        };
+        if usage.wants_body() {
+            // This chunk only, as it passes: the response is never held up.
+            let chunk = match body_size {
+                0 => None,
+                size => hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+                    .ok()
+                    .flatten(),
+            };
+            let known = usage.on_body(chunk.as_deref().unwrap_or_default(), end_of_stream);
+            Self::settle(&configured, known);
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        let (Some(configured), Some(usage)) = (self.configured.clone(), self.usage.as_mut()) else {
+            return Action::Continue;
+        };
+        let known = usage.on_trailers(|name| {
+            hostcalls::get_map_value_bytes(MapType::HttpResponseTrailers, name)
+                .ok()
+                .flatten()
+        });
+        Self::settle(&configured, known);
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        self.finish();
+    }
+}
+
+/// Wakes this worker's root context (through its shared queue) to send what was queued.
+fn wake(configured: &Configured) -> bool {
+    configured
+        .queue
+        .is_some_and(|queue| hostcalls::enqueue_shared_queue(queue, Some(b"w")).is_ok())
+}
+
+fn response_header(name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+        .ok()
+        .flatten()
 }
 
 /// The current request, read with hostcalls that cannot panic on hostile bytes (the `_bytes`

@@ -2,6 +2,7 @@
 //! failure changes a key's record, and the callout messages. No proxy-wasm here.
 
 use crate::table::{Lease, Record};
+use std::collections::BTreeMap;
 use tollgate_core::policy::LimiterSpec;
 use tollgate_core::protocol::{
     ErrorCode, LeaseBatch, LeaseBatchResponse, LeaseGranted, LeaseRequest, LeaseReturn,
@@ -123,6 +124,14 @@ pub fn assignment_retry_ms(lease: &Lease, cost: u64, now_ms: u64) -> u64 {
     }
 }
 
+/// Pays the key's debt (units used beyond reservations) from the lease's tokens, as far as
+/// they go.
+pub fn pay_debt(lease: &mut Lease) {
+    let paid = lease.tokens.min(lease.debt);
+    lease.tokens -= paid;
+    lease.debt -= paid;
+}
+
 /// Whether the assignment is due for renewal: three quarters through its period; or, a
 /// quarter through, when the demand has grown to more than twice what the last request
 /// reported (a share sized from a young demand estimate grows within a period, not after it).
@@ -220,14 +229,18 @@ pub fn lease_id(instance: u64, seq: u64) -> String {
     format!("{instance:016x}-{seq:x}")
 }
 
-/// `POST /v1/leases` body.
-pub fn lease_body(requests: Vec<LeaseRequest>) -> Vec<u8> {
-    serde_json::to_vec(&LeaseBatch { leases: requests }).unwrap_or_default()
+/// `POST /v1/leases` body, with the units settled per policy since the last report.
+pub fn lease_body(requests: Vec<LeaseRequest>, settled: BTreeMap<String, u64>) -> Vec<u8> {
+    serde_json::to_vec(&LeaseBatch {
+        leases: requests,
+        settled,
+    })
+    .unwrap_or_default()
 }
 
-/// `POST /v1/leases/return` body.
-pub fn return_body(returns: Vec<LeaseReturn>) -> Vec<u8> {
-    serde_json::to_vec(&ReturnBatch { returns }).unwrap_or_default()
+/// `POST /v1/leases/return` body, with the units settled per policy since the last report.
+pub fn return_body(returns: Vec<LeaseReturn>, settled: BTreeMap<String, u64>) -> Vec<u8> {
+    serde_json::to_vec(&ReturnBatch { returns, settled }).unwrap_or_default()
 }
 
 /// Reads a lease answer: anything but a 200 with a well-formed body is UNAVAILABLE.

@@ -9,6 +9,7 @@ pub mod filter;
 pub mod global;
 pub mod metrics;
 pub mod request;
+pub mod response_usage;
 pub mod shared;
 pub mod table;
 pub mod worker;

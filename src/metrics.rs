@@ -4,7 +4,7 @@
 //! `tollgate_allowed{policy="payments-per-tenant"}`. Label values are policy names, never
 //! tenants.
 
-use crate::engine::{Decision, Outcome};
+use crate::engine::{Decision, Outcome, Settlement};
 use crate::table::TableError;
 use proxy_wasm::types::MetricType;
 use tollgate_core::policy::Policies;
@@ -55,7 +55,11 @@ pub mod sink {
     pub fn increment(id: u32, by: i64) {
         METRICS.with(|m| {
             if let Some((_, v)) = m.borrow_mut().get_mut(id as usize) {
-                *v = v.saturating_add(by.unsigned_abs());
+                *v = if by >= 0 {
+                    v.saturating_add(by.unsigned_abs())
+                } else {
+                    v.saturating_sub(by.unsigned_abs())
+                };
             }
         });
     }
@@ -96,6 +100,16 @@ struct PolicyMetrics {
     lease_unavailable: Option<u32>,
     invalid_policy: Option<u32>,
     assignments: Option<u32>,
+    in_flight_denied: Option<u32>,
+    /// Gauge: slots held on this instance.
+    in_flight: Option<u32>,
+    in_flight_expired: Option<u32>,
+    units_reserved: Option<u32>,
+    units_settled: Option<u32>,
+    units_refunded: Option<u32>,
+    units_debt: Option<u32>,
+    units_uncharged: Option<u32>,
+    usage_missing: Option<u32>,
 }
 
 /// Metric ids of one VM (ids are per VM; the stats they name are shared by all workers).
@@ -131,6 +145,12 @@ fn counter(name: &str) -> Option<u32> {
 fn bump(id: Option<u32>, by: u64) {
     if let (Some(id), Ok(by @ 1..)) = (id, i64::try_from(by)) {
         sink::increment(id, by);
+    }
+}
+
+fn gauge(id: Option<u32>, delta: i64) {
+    if let Some(id) = id {
+        sink::increment(id, delta);
     }
 }
 
@@ -171,6 +191,18 @@ impl Metrics {
                     lease_unavailable: per("lease_unavailable", &p.name),
                     invalid_policy: per("invalid_policy", &p.name),
                     assignments: per("assignments", &p.name),
+                    in_flight_denied: per("in_flight_denied", &p.name),
+                    in_flight: define(
+                        MetricType::Gauge,
+                        &format!("tollgate_in_flight.policy.{}", p.name),
+                    ),
+                    in_flight_expired: per("in_flight_expired", &p.name),
+                    units_reserved: per("units_reserved", &p.name),
+                    units_settled: per("units_settled", &p.name),
+                    units_refunded: per("units_refunded", &p.name),
+                    units_debt: per("units_debt", &p.name),
+                    units_uncharged: per("units_uncharged", &p.name),
+                    usage_missing: per("usage_missing", &p.name),
                 })
                 .collect(),
             table_full: counter("tollgate_local_table_full"),
@@ -201,8 +233,21 @@ impl Metrics {
                 Outcome::FailClosed => c.fail_closed,
                 Outcome::FallbackAllowed => c.fallback_allowed,
                 Outcome::FallbackDenied => c.fallback_denied,
+                Outcome::InFlightDenied => c.in_flight_denied,
             };
             bump(id, 1);
+        }
+        for admission in &decision.admissions {
+            let Some(c) = self.policies.get(admission.policy) else {
+                continue;
+            };
+            bump(c.units_reserved, admission.reserved);
+            if admission.slot.is_some() {
+                gauge(c.in_flight, 1);
+            }
+        }
+        for (index, expired) in &decision.slots_expired {
+            self.slots_expired(*index, *expired);
         }
         for (index, tokens) in &decision.expired {
             self.lease(*index, LeaseEvent::Expired(*tokens));
@@ -228,6 +273,37 @@ impl Metrics {
             LeaseEvent::Unavailable => bump(c.lease_unavailable, 1),
             LeaseEvent::InvalidPolicy => bump(c.invalid_policy, 1),
             LeaseEvent::Assigned => bump(c.assignments, 1),
+        }
+    }
+
+    /// What finishing one admission did (settlement, slot release).
+    pub fn finished(&self, policy: usize, done: &Settlement) {
+        let Some(c) = self.policies.get(policy) else {
+            return;
+        };
+        if let Some(units) = done.settled {
+            bump(c.units_settled, units);
+        }
+        bump(c.units_refunded, done.refunded);
+        bump(c.units_debt, done.charged);
+        bump(c.units_uncharged, done.uncharged);
+        if done.missing {
+            bump(c.usage_missing, 1);
+        }
+        if done.released {
+            gauge(c.in_flight, -1);
+        }
+        self.slots_expired(policy, done.slots_expired);
+    }
+
+    /// In-flight slots whose release never came, dropped when they expired.
+    fn slots_expired(&self, policy: usize, expired: u64) {
+        let Some(c) = self.policies.get(policy) else {
+            return;
+        };
+        bump(c.in_flight_expired, expired);
+        if let Ok(expired @ 1..) = i64::try_from(expired) {
+            gauge(c.in_flight, -expired);
         }
     }
 

@@ -54,6 +54,7 @@ use crate::shared::{SharedData, WriteError};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use tollgate_core::bucket::BucketState;
+use tollgate_core::in_flight::{Slots, EPOCHS};
 
 /// Slots per group: the slots under one CAS stamp.
 pub const GROUP_SLOTS: usize = 4;
@@ -63,7 +64,7 @@ pub const PROBE_GROUPS: usize = 4;
 /// Attempts at a CAS transaction before giving up with [`TableError::Contended`].
 pub const MAX_ATTEMPTS: u32 = 8;
 /// Version tag of the record encoding; other tags read as empty.
-const TAG_RECORD: u8 = 5;
+const TAG_RECORD: u8 = 6;
 /// Version tag of a group of slots.
 const TAG_GROUP: u8 = 3;
 
@@ -121,6 +122,9 @@ pub struct Lease {
     /// The demand (units per second) the latest lease request reported: a demand that has
     /// since grown far beyond it renews the assignment early.
     pub asked_demand_per_s: f64,
+    /// Units requests used beyond what they reserved, paid from the next tokens this instance
+    /// receives; while it is not paid, the key's requests are refused.
+    pub debt: u64,
 }
 
 /// The state of one (policy, key) on this Envoy instance.
@@ -130,6 +134,8 @@ pub struct Record {
     /// Local token bucket; `None` means full (never used, or refilled).
     pub bucket: Option<BucketState>,
     pub lease: Lease,
+    /// The key's requests in flight on this instance (`max_in_flight`).
+    pub in_flight: Slots,
     /// From this time the record equals a fresh one, so its slot may go to another key.
     pub evictable_at_ms: u64,
 }
@@ -140,19 +146,24 @@ impl Record {
             id: id.to_string(),
             bucket: None,
             lease: Lease::default(),
+            in_flight: Slots::default(),
             evictable_at_ms: 0,
         }
     }
 }
 
 /// Words of a lease.
-const LEASE_FIELDS: usize = 19;
-/// After the id, at most: flags, the bucket (2 words), the lease, `evictable_at_ms`.
-const FIXED_BYTES: usize = 1 + 16 + LEASE_FIELDS * 8 + 8;
-/// Flags: the record has a bucket / a lease other than the default. A local policy's record
-/// has no lease, so it takes 1 + 16 + 8 bytes after its id instead of `FIXED_BYTES`.
+const LEASE_FIELDS: usize = 20;
+/// Bytes of in-flight slots: the epoch and a count per epoch.
+const SLOTS_BYTES: usize = 8 + 4 * EPOCHS;
+/// After the id, at most: flags, the bucket (2 words), the lease, the slots, `evictable_at_ms`.
+const FIXED_BYTES: usize = 1 + 16 + LEASE_FIELDS * 8 + SLOTS_BYTES + 8;
+/// Flags: the record has a bucket / a lease other than the default / slots in flight. A local
+/// policy's record has no lease, so it takes 1 + 16 + 8 bytes after its id instead of
+/// `FIXED_BYTES`.
 const HAS_BUCKET: u8 = 1;
 const HAS_LEASE: u8 = 2;
+const HAS_SLOTS: u8 = 4;
 
 fn encode(record: &Record) -> Vec<u8> {
     let id = record.id.as_bytes();
@@ -171,6 +182,10 @@ fn encode(record: &Record) -> Vec<u8> {
     if has_lease {
         flags |= HAS_LEASE;
     }
+    let has_slots = record.in_flight != Slots::default();
+    if has_slots {
+        flags |= HAS_SLOTS;
+    }
     out.push(flags);
     if let Some(bucket) = record.bucket {
         out.extend_from_slice(&bucket.tokens.to_le_bytes());
@@ -178,6 +193,12 @@ fn encode(record: &Record) -> Vec<u8> {
     }
     if has_lease {
         encode_lease(l, &mut out);
+    }
+    if has_slots {
+        out.extend_from_slice(&record.in_flight.epoch.to_le_bytes());
+        for count in record.in_flight.counts {
+            out.extend_from_slice(&count.to_le_bytes());
+        }
     }
     out.extend_from_slice(&record.evictable_at_ms.to_le_bytes());
     out
@@ -211,6 +232,7 @@ fn encode_lease(l: &Lease, out: &mut Vec<u8>) {
     ] {
         out.extend_from_slice(&value.to_le_bytes());
     }
+    out.extend_from_slice(&l.debt.to_le_bytes());
 }
 
 /// `None` for an empty slot, or bytes that are not a record of this version (treated as empty).
@@ -229,7 +251,13 @@ fn decode(bytes: &[u8]) -> Option<Record> {
     } else {
         0
     };
-    if flags & !(HAS_BUCKET | HAS_LEASE) != 0 || fixed.len() != (bucket_words + lease_words + 1) * 8
+    let slots_bytes = if flags & HAS_SLOTS != 0 {
+        SLOTS_BYTES
+    } else {
+        0
+    };
+    if flags & !(HAS_BUCKET | HAS_LEASE | HAS_SLOTS) != 0
+        || fixed.len() != (bucket_words + lease_words + 1) * 8 + slots_bytes
     {
         return None;
     }
@@ -248,12 +276,32 @@ fn decode(bytes: &[u8]) -> Option<Record> {
     } else {
         Lease::default()
     };
+    let slots_at = (bucket_words + lease_words) * 8;
+    let in_flight = if slots_bytes > 0 {
+        decode_slots(fixed.get(slots_at..slots_at + SLOTS_BYTES)?)?
+    } else {
+        Slots::default()
+    };
+    let last = fixed.get(slots_at + slots_bytes..)?;
     Some(Record {
         id,
         bucket,
         lease,
-        evictable_at_ms: u(bucket_words + lease_words)?,
+        in_flight,
+        evictable_at_ms: u64::from_le_bytes(last.try_into().ok()?),
     })
+}
+
+fn decode_slots(bytes: &[u8]) -> Option<Slots> {
+    let mut slots = Slots {
+        epoch: u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?),
+        counts: [0; EPOCHS],
+    };
+    for (i, count) in slots.counts.iter_mut().enumerate() {
+        let at = 8 + i * 4;
+        *count = u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?);
+    }
+    Some(slots)
 }
 
 /// A lease from its [`LEASE_FIELDS`] words at the start of `words`.
@@ -280,6 +328,7 @@ fn decode_lease(words: &[u8]) -> Option<Lease> {
         drip_per_ms: f64::from_le_bytes(word(16)?),
         drip_carry: f64::from_le_bytes(word(17)?),
         asked_demand_per_s: f64::from_le_bytes(word(18)?),
+        debt: u(19)?,
     })
 }
 

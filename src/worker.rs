@@ -12,13 +12,14 @@
 //! a small margin whatever the network does, and looks again at requests waiting for an answer
 //! another worker asked for.
 
-use crate::engine::{Attempt, Decision, Engine, LeaseNeed, Plan, ReturnNeed, Verdict};
+use crate::engine::{Admission, Attempt, Decision, Engine, LeaseNeed, Plan, ReturnNeed, Verdict};
 use crate::global::{self, CalloutError, DEADLINE_MARGIN_MS};
 use crate::metrics::{LeaseEvent, Metrics};
 use crate::shared::SharedData;
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
+use tollgate_core::policy::Scope;
 use tollgate_core::protocol::{
     ErrorCode, LeaseRequest, LeaseResult, LeaseReturn, ReturnResult, LEASES_PATH, MAX_BATCH,
     RETURNS_PATH,
@@ -58,15 +59,23 @@ pub struct Ctx<'a, S: SharedData, H: Host> {
     pub now_ms: u64,
 }
 
-/// Headers an admitted request adds to its response, filled in when it is resumed.
-pub type ResponseHeaders = Rc<RefCell<Vec<(String, String)>>>;
+/// What an admitted request carries to its response: headers to add, and the admissions its
+/// stream end settles and releases. Filled in when the request is admitted (by the worker, for
+/// a request that waited).
+#[derive(Debug, Default)]
+pub struct AdmittedState {
+    pub response_headers: Vec<(String, String)>,
+    pub admissions: Vec<Admission>,
+}
+
+pub type Admitted = Rc<RefCell<AdmittedState>>;
 
 struct Waiter {
     plan: Plan,
     deadline_ms: u64,
     round: u32,
     waiting_for: Vec<String>,
-    response_headers: ResponseHeaders,
+    admitted: Admitted,
 }
 
 /// One lease request of a callout.
@@ -110,6 +119,9 @@ pub struct Worker {
     callouts: HashMap<u32, Callout>,
     waiters: HashMap<u32, Waiter>,
     ticking: bool,
+    /// Units of finished requests per policy (index), not yet reported to the limiter: they
+    /// go with the next lease or return callout.
+    settled: Vec<u64>,
 }
 
 impl Worker {
@@ -126,6 +138,40 @@ impl Worker {
             callouts: HashMap::new(),
             waiters: HashMap::new(),
             ticking: false,
+            settled: Vec::new(),
+        }
+    }
+
+    /// The settled units to report with a callout, by policy name (global policies only: the
+    /// limiter owns their budgets); the counts start again from zero.
+    fn take_settled(&mut self, engine: &Engine) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for (index, units) in self.settled.iter_mut().enumerate() {
+            if let (Some(policy), 1..) = (engine.policy(index), *units) {
+                if policy.scope == Scope::Global {
+                    out.insert(policy.name.clone(), std::mem::take(units));
+                }
+            }
+        }
+        out
+    }
+
+    /// Settled units a callout that could not be sent did not report: they go with the next.
+    fn restore_settled(&mut self, engine: &Engine, settled: BTreeMap<String, u64>) {
+        for (name, units) in settled {
+            if let Some(index) = engine.policies.policies.iter().position(|p| p.name == name) {
+                self.note_settled(index, units);
+            }
+        }
+    }
+
+    /// Counts the settled units of a finished request, to be reported to the limiter.
+    pub fn note_settled(&mut self, policy: usize, units: u64) {
+        if self.settled.len() <= policy {
+            self.settled.resize(policy + 1, 0);
+        }
+        if let Some(total) = self.settled.get_mut(policy) {
+            *total = total.saturating_add(units);
         }
     }
 
@@ -143,7 +189,7 @@ impl Worker {
         plan: Plan,
         decision: &Decision,
         deadline_ms: u64,
-        response_headers: ResponseHeaders,
+        admitted: Admitted,
     ) -> bool {
         if self.waiters.len() >= MAX_WAITERS {
             return false;
@@ -155,7 +201,7 @@ impl Worker {
                 deadline_ms,
                 round: 0,
                 waiting_for: decision.waiting_for.clone(),
-                response_headers,
+                admitted,
             },
         );
         true
@@ -290,10 +336,18 @@ impl Worker {
         } else {
             settings.timeout.0
         };
-        match ctx
-            .host
-            .dispatch(LEASES_PATH, &global::lease_body(requests), timeout)
-        {
+        // Only a batch of first-time ids carries settled units: the limiter does not count a
+        // batch it has answered before (a retry), so new units must not ride on one.
+        let settled = if chunk.iter().all(|a| a.fresh && !a.retried) {
+            self.take_settled(ctx.engine)
+        } else {
+            BTreeMap::new()
+        };
+        match ctx.host.dispatch(
+            LEASES_PATH,
+            &global::lease_body(requests, settled.clone()),
+            timeout,
+        ) {
             Ok(token) => {
                 for a in &chunk {
                     self.inflight.insert(a.need.bucket_id.clone());
@@ -309,6 +363,7 @@ impl Worker {
             }
             Err(reason) => {
                 log::warn!("lease callout not sent: {reason}");
+                self.restore_settled(ctx.engine, settled);
                 ctx.metrics.callout(0, true);
                 self.fail_leases(ctx, &chunk);
                 chunk.into_iter().map(|a| a.need.bucket_id).collect()
@@ -334,9 +389,10 @@ impl Worker {
                     })
                 })
                 .collect();
+            let settled = self.take_settled(ctx.engine);
             match ctx.host.dispatch(
                 RETURNS_PATH,
-                &global::return_body(items),
+                &global::return_body(items, settled.clone()),
                 settings.timeout.0,
             ) {
                 Ok(token) => {
@@ -349,6 +405,7 @@ impl Worker {
                     );
                 }
                 Err(_) => {
+                    self.restore_settled(ctx.engine, settled);
                     for r in chunk {
                         ctx.metrics.lease(r.policy, LeaseEvent::Expired(r.unused));
                     }
@@ -605,7 +662,11 @@ impl Worker {
             }
             Verdict::Continue => {
                 ctx.metrics.record(&decision);
-                *waiter.response_headers.borrow_mut() = decision.response_headers.clone();
+                {
+                    let mut admitted = waiter.admitted.borrow_mut();
+                    admitted.response_headers = decision.response_headers.clone();
+                    admitted.admissions = decision.admissions.clone();
+                }
                 ctx.host.resume(context_id);
             }
             Verdict::Reply(reply) => {

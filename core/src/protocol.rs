@@ -3,6 +3,19 @@
 //! `POST /v1/leases` takes a batch of lease requests and answers one result per item;
 //! `POST /v1/leases/return` gives back unused tokens of leases, once per lease id.
 //! A store the limiter cannot reach makes the whole batch `503 {"error":"UNAVAILABLE"}`.
+//!
+//! Either body may also carry `settled`: per policy name, the units (actual cost) of the
+//! requests that finished on the sending worker since its last report, piggybacked on a
+//! callout the filter makes anyway. The limiter only counts them (a metric per policy); they
+//! change no bucket. Absent or empty means nothing to report, and an empty map is not sent,
+//! so a body without settlements is byte for byte what it was before the field existed.
+//! The limiter counts a batch's `settled` when it answers it `200` (a `400` or `503` counts
+//! nothing), except a lease batch whose every decided item is a replay of an earlier decision
+//! of its id: that is taken as the retry of a batch already counted. So a retry carries the
+//! same map as the first attempt, and new totals go in a batch with a lease id asked for the
+//! first time (or in a return batch).
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -16,6 +29,9 @@ pub const MAX_BATCH: usize = 256;
 pub const MAX_BODY_BYTES: usize = 256 * 1024;
 /// Longest lease id.
 pub const MAX_LEASE_ID_BYTES: usize = 128;
+/// Most entries in one batch's `settled` map (as many as a policy document may define
+/// policies): a batch with more is refused whole.
+pub const MAX_SETTLED_POLICIES: usize = 1024;
 
 /// Outcome classes, distinct everywhere (metrics, logs, API).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -39,10 +55,17 @@ impl ErrorCode {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// `POST /v1/leases` body: the lease requests, and optionally the units settled since the
+/// worker's last report.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseBatch {
     pub leases: Vec<LeaseRequest>,
+    /// Policy name → units (the actual cost) of the requests that finished since the worker's
+    /// last report; at most [`MAX_SETTLED_POLICIES`] entries. Absent: none (not serialized
+    /// when empty).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub settled: BTreeMap<String, u64>,
 }
 
 /// Ask for `granted ∈ {0} ∪ [min, want]` tokens of bucket (`policy`, `key`), or, when the
@@ -124,10 +147,17 @@ pub struct LeaseError {
     pub reason: Option<String>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// `POST /v1/leases/return` body: the returns, and optionally the units settled since the
+/// worker's last report (as in [`LeaseBatch::settled`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReturnBatch {
     pub returns: Vec<LeaseReturn>,
+    /// Policy name → units (the actual cost) of the requests that finished since the worker's
+    /// last report; at most [`MAX_SETTLED_POLICIES`] entries. Absent: none (not serialized
+    /// when empty).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub settled: BTreeMap<String, u64>,
 }
 
 /// Give back `unused` tokens of lease `id` (which was drawn from bucket `policy`/`key`:
@@ -205,5 +235,90 @@ mod tests {
             r#"{"leases":[{"id":"a","policy":"p","key":"k","min":1.5,"want":2}]}"#
         )
         .is_err());
+    }
+
+    #[test]
+    fn settled_is_optional_and_absent_when_empty() {
+        // Bodies from before the field parse, with nothing settled.
+        let lease: LeaseBatch = serde_json::from_str(
+            r#"{"leases":[{"id":"a","policy":"p","key":"k","min":1,"want":2}]}"#,
+        )
+        .unwrap();
+        assert!(lease.settled.is_empty());
+        let ret: ReturnBatch =
+            serde_json::from_str(r#"{"returns":[{"id":"a","policy":"p","key":"k","unused":1}]}"#)
+                .unwrap();
+        assert!(ret.settled.is_empty());
+        // Nothing settled: the body is what it was before the field existed.
+        assert_eq!(
+            serde_json::to_string(&LeaseBatch::default()).unwrap(),
+            r#"{"leases":[]}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&ReturnBatch::default()).unwrap(),
+            r#"{"returns":[]}"#
+        );
+        // An explicit empty map parses too.
+        let empty: LeaseBatch = serde_json::from_str(r#"{"leases":[],"settled":{}}"#).unwrap();
+        assert_eq!(empty, LeaseBatch::default());
+    }
+
+    #[test]
+    fn settled_round_trips() {
+        let lease = LeaseBatch {
+            leases: Vec::new(),
+            settled: BTreeMap::from([("a".to_owned(), 7), ("b".to_owned(), u64::MAX)]),
+        };
+        let json = serde_json::to_string(&lease).unwrap();
+        assert_eq!(
+            json,
+            r#"{"leases":[],"settled":{"a":7,"b":18446744073709551615}}"#
+        );
+        assert_eq!(serde_json::from_str::<LeaseBatch>(&json).unwrap(), lease);
+        let ret = ReturnBatch {
+            returns: vec![LeaseReturn {
+                id: "i".into(),
+                policy: "a".into(),
+                key: "k".into(),
+                unused: 1,
+            }],
+            settled: BTreeMap::from([("a".to_owned(), 3)]),
+        };
+        let json = serde_json::to_string(&ret).unwrap();
+        assert!(json.ends_with(r#","settled":{"a":3}}"#), "{json}");
+        assert_eq!(serde_json::from_str::<ReturnBatch>(&json).unwrap(), ret);
+    }
+
+    #[test]
+    fn settled_amounts_are_whole_non_negative_numbers() {
+        for settled in [
+            r#"{"a":-1}"#,
+            r#"{"a":1.5}"#,
+            r#"{"a":1e3}"#,
+            r#"{"a":18446744073709551616}"#,
+            r#"{"a":"1"}"#,
+            r#"{"a":null}"#,
+            r#"["a",1]"#,
+        ] {
+            assert!(
+                serde_json::from_str::<LeaseBatch>(&format!(
+                    r#"{{"leases":[],"settled":{settled}}}"#
+                ))
+                .is_err(),
+                "{settled}"
+            );
+            assert!(
+                serde_json::from_str::<ReturnBatch>(&format!(
+                    r#"{{"returns":[],"settled":{settled}}}"#
+                ))
+                .is_err(),
+                "{settled}"
+            );
+        }
+        // Still no unknown fields next to it.
+        assert!(
+            serde_json::from_str::<LeaseBatch>(r#"{"leases":[],"settled":{},"settle":{}}"#)
+                .is_err()
+        );
     }
 }

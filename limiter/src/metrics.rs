@@ -40,6 +40,7 @@ pub struct Metrics {
     tokens_returned: IntCounterVec,
     assignments: IntCounterVec,
     tokens_assigned: IntCounterVec,
+    units_settled: IntCounterVec,
     store_latency: HistogramVec,
     store_errors: IntCounterVec,
     active_keys: IntGaugeVec,
@@ -113,6 +114,12 @@ impl Metrics {
             "Whole tokens taken from global buckets into assignments (share x period; replays not counted).",
             &["policy"],
         )?;
+        let units_settled = counter(
+            &registry,
+            "tollgate_limiter_units_settled_total",
+            "Units (actual cost) of finished requests, as the filters report them on lease and return callouts answered 200, by policy (a name the policy document does not define is (unknown)).",
+            &["policy"],
+        )?;
         let store_latency = {
             let opts = HistogramOpts::new(
                 "tollgate_limiter_store_call_duration_seconds",
@@ -181,6 +188,7 @@ impl Metrics {
             tokens_returned,
             assignments,
             tokens_assigned,
+            units_settled,
             store_latency,
             store_errors,
             active_keys,
@@ -221,6 +229,12 @@ impl Metrics {
         self.tokens_assigned
             .with_label_values(&[policy])
             .inc_by(tokens);
+    }
+
+    pub fn units_settled(&self, policy: &str, units: u64) {
+        self.units_settled
+            .with_label_values(&[policy])
+            .inc_by(units);
     }
 
     pub fn store_call(&self, node: &str, op: &str, took: Duration) {
@@ -296,6 +310,7 @@ mod tests {
         m.assignment("p", outcome::ASSIGNED);
         m.assignment("p", outcome::WAITING);
         m.tokens_assigned("p", 50);
+        m.units_settled("p", 9);
         m.store_call("127.0.0.1:6379", "lease", Duration::from_micros(300));
         m.store_error("127.0.0.1:6379", "timeout");
         m.set_active_keys(&[("127.0.0.1:6379".into(), 7)]);
@@ -315,6 +330,7 @@ mod tests {
             "tollgate_limiter_assignments_total{outcome=\"ASSIGNED\",policy=\"p\"} 1",
             "tollgate_limiter_assignments_total{outcome=\"WAITING\",policy=\"p\"} 1",
             "tollgate_limiter_tokens_assigned_total{policy=\"p\"} 50",
+            "tollgate_limiter_units_settled_total{policy=\"p\"} 9",
             "tollgate_limiter_store_call_duration_seconds_bucket{node=\"127.0.0.1:6379\",op=\"lease\",le=\"0.0005\"} 1",
             "tollgate_limiter_store_errors_total{kind=\"timeout\",node=\"127.0.0.1:6379\"} 1",
             "tollgate_limiter_active_keys{node=\"127.0.0.1:6379\"} 7",

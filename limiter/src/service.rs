@@ -7,6 +7,7 @@
 //! counted for what the store said). This module only orchestrates: the store calls under
 //! their deadline, the metrics, and the lifecycle loops (store preparation, key sampling).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -87,6 +88,19 @@ impl<S: Store> Service<S> {
         }
     }
 
+    /// Adds a batch's `settled` units to `units_settled_total`, under the policy's name when
+    /// the document in force defines it, else under `(unknown)`: label values come from the
+    /// document, never from the body. (At most `MAX_SETTLED_POLICIES` entries: checked when
+    /// the batch was parsed.)
+    fn count_settled(&self, policies: &Policies, settled: &BTreeMap<String, u64>) {
+        for (name, &units) in settled {
+            if units > 0 {
+                self.metrics
+                    .units_settled(Self::policy_label(policies, name), units);
+            }
+        }
+    }
+
     fn lease_ttl_ms(&self) -> u64 {
         u64::try_from(self.settings.lease_ttl.as_millis()).unwrap_or(u64::MAX)
     }
@@ -121,8 +135,8 @@ impl<S: Store> Service<S> {
 
     /// `POST /v1/leases`.
     pub async fn lease_batch(&self, body: &[u8]) -> Reply {
-        let requests = match validate::parse_leases(body) {
-            Ok(requests) => requests,
+        let (requests, settled) = match validate::parse_leases(body) {
+            Ok(batch) => (batch.leases, batch.settled),
             Err(BatchRefused(reason)) => return Reply::bad_request(reason),
         };
         let policies = self.policies.current();
@@ -156,13 +170,20 @@ impl<S: Store> Service<S> {
                 }
             }
         }
-        answer::lease_reply(&requests, &answers, self.lease_ttl_ms(), &policies.version)
+        let reply =
+            answer::lease_reply(&requests, &answers, self.lease_ttl_ms(), &policies.version);
+        // Counted only with a 200, and not for a retry of a batch already counted (every
+        // decided item a replay): see `answer::settled_counts` for what that leaves.
+        if answer::settled_counts(reply.status, Some(&answers)) {
+            self.count_settled(&policies, &settled);
+        }
+        reply
     }
 
     /// `POST /v1/leases/return`.
     pub async fn return_batch(&self, body: &[u8]) -> Reply {
-        let returns = match validate::parse_returns(body) {
-            Ok(returns) => returns,
+        let (returns, settled) = match validate::parse_returns(body) {
+            Ok(batch) => (batch.returns, batch.settled),
             Err(BatchRefused(reason)) => return Reply::bad_request(reason),
         };
         let policies = self.policies.current();
@@ -189,7 +210,12 @@ impl<S: Store> Service<S> {
             }
             self.metrics.returned(label, outcome);
         }
-        answer::return_reply(&returns, &results)
+        let reply = answer::return_reply(&returns, &results);
+        // Counted with a 200 (returns carry no replay signal; see `answer::settled_counts`).
+        if answer::settled_counts(reply.status, None) {
+            self.count_settled(&policies, &settled);
+        }
+        reply
     }
 
     /// `GET /readyz`: the store answers and has its functions (loading them if needed).

@@ -1,5 +1,5 @@
 //! The limiter through its HTTP API, started in-process on 127.0.0.1:0: exactness under 64
-//! concurrent connections (memory; Redis and Redis Cluster in the `e2e` tier), dedup by lease id, returns, h2c (and
+//! concurrent connections (memory; Redis and Redis Cluster in the `e2e` tier), dedup by lease id, returns, settled units, h2c (and
 //! its connections surviving a stall's backlog of cancelled streams), request validation, health/readiness/metrics, policy reload, an unreachable store, and the
 //! real binary's flags and signal handling.
 
@@ -171,6 +171,175 @@ async fn unused_tokens_are_returned_once() {
     )
     .await;
     assert_eq!(granted(&v), 10);
+    limiter.shutdown().await;
+}
+
+/// `body` (a JSON object) with `"settled":<settled>` added.
+fn with_settled(body: &str, settled: &str) -> String {
+    let open = body.trim_end().strip_suffix('}').expect("a JSON object");
+    format!(r#"{open},"settled":{settled}}}"#)
+}
+
+/// The value of the sample `series` (name and labels, as rendered) in a Prometheus text.
+fn sample(text: &str, series: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// Units settled, piggybacked on lease and return batches, are summed per policy the
+/// document defines (local ones too); other names go to `(unknown)`, never to a label of
+/// their own. A retried lease batch (every item a replay) is not counted twice; a batch
+/// refused whole (too many entries, a bad amount) counts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settled_units_are_counted_per_known_policy() {
+    let limiter = start(StoreConfig::Memory).await;
+    let addr = limiter.addr();
+    let key = unique("settled");
+    let lease = with_settled(
+        &lease_body("s1", "tenant", &key, 4, 4),
+        r#"{"tenant":5,"hundred":2,"no-such-policy":7,"zero":0}"#,
+    );
+    let (status, v) = post(addr, "/v1/leases", &lease).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(granted(&v), 4);
+    // The filter's retry of a callout that got no answer: same ids, same map. Every item is
+    // a replay, so the batch was counted when it was first decided.
+    let (status, v) = post(addr, "/v1/leases", &lease).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(granted(&v), 4, "replayed: {v}");
+    // A batch with a fresh item next to a replayed one counts.
+    let mixed = format!(
+        r#"{{"leases":[
+        {{"id":"s1","policy":"tenant","key":"{key}","min":4,"want":4}},
+        {{"id":"s2","policy":"tenant","key":"{key}","min":1,"want":1}}],
+        "settled":{{"tenant":10}}}}"#
+    );
+    let (status, v) = post(addr, "/v1/leases", &mixed).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["leases"][1]["granted"], 1, "{v}");
+    let ret = with_settled(
+        &return_body("s1", "tenant", &key, 3),
+        r#"{"tenant":3,"local-only":4,"other-unknown":1}"#,
+    );
+    let (status, v) = post(addr, "/v1/leases/return", &ret).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["returns"][0]["returned"], 3);
+    // Nothing to return, only settlements; and a lease batch without the field.
+    let (status, v) = post(
+        addr,
+        "/v1/leases/return",
+        r#"{"returns":[],"settled":{"tenant":1}}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    let (status, _) = post(addr, "/v1/leases", &lease_body("s3", "tenant", &key, 1, 1)).await;
+    assert_eq!(status, 200);
+
+    // Refused whole: more entries than a document may have policies, or a bad amount.
+    let many: Vec<String> = (0..1025).map(|i| format!(r#""p{i}":1"#)).collect();
+    let many = format!("{{{}}}", many.join(","));
+    for (path, body) in [
+        (
+            "/v1/leases",
+            with_settled(&lease_body("big", "tenant", &key, 1, 1), &many),
+        ),
+        (
+            "/v1/leases/return",
+            with_settled(&return_body("s1", "tenant", &key, 1), &many),
+        ),
+        (
+            "/v1/leases",
+            with_settled(&lease_body("neg", "tenant", &key, 1, 1), r#"{"tenant":-1}"#),
+        ),
+        (
+            "/v1/leases/return",
+            with_settled(&return_body("s1", "tenant", &key, 1), r#"{"tenant":0.5}"#),
+        ),
+    ] {
+        let (status, v) = post(addr, path, &body).await;
+        assert_eq!(status, 400, "{path}: {v}");
+        assert_eq!(v["error"], "INVALID_REQUEST");
+        assert!(v["reason"].is_string(), "{v}");
+    }
+    let (status, v) = post(
+        addr,
+        "/v1/leases",
+        &with_settled(&lease_body("big", "tenant", &key, 1, 1), &many),
+    )
+    .await;
+    assert!(
+        v["reason"]
+            .as_str()
+            .unwrap()
+            .contains("1025 policies in `settled`; at most 1024"),
+        "{status}: {v}"
+    );
+    // Nothing of a refused batch was decided: its lease id is new.
+    let (_, v) = post(addr, "/v1/leases", &lease_body("big", "tenant", &key, 1, 1)).await;
+    assert_eq!(granted(&v), 1, "not a replay: {v}");
+
+    let (_, text) = get(addr, "/metrics").await;
+    let settled = |policy: &str| {
+        sample(
+            &text,
+            &format!(r#"tollgate_limiter_units_settled_total{{policy="{policy}"}}"#),
+        )
+    };
+    assert_eq!(settled("tenant"), Some(5 + 10 + 3 + 1), "{text}");
+    assert_eq!(settled("hundred"), Some(2), "{text}");
+    assert_eq!(settled("local-only"), Some(4), "{text}");
+    assert_eq!(settled("(unknown)"), Some(7 + 1), "{text}");
+    assert_eq!(settled("route"), None, "never reported: no series");
+    for name in ["no-such-policy", "other-unknown", "zero", "p1024"] {
+        assert!(!text.contains(name), "{name} is no label value:\n{text}");
+    }
+    limiter.shutdown().await;
+}
+
+/// A batch answered 503 (the store decided nothing) counts none of its settled units: the
+/// filter may report them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settled_units_are_not_counted_without_an_answer() {
+    let port = tollgate_e2e::free_port();
+    let limiter = start_unready(config(StoreConfig::Redis(format!(
+        "redis://127.0.0.1:{port}"
+    ))))
+    .await;
+    let addr = limiter.addr();
+    let (status, v) = post(
+        addr,
+        "/v1/leases",
+        &with_settled(&lease_body("a", "tenant", "t", 1, 1), r#"{"tenant":5}"#),
+    )
+    .await;
+    assert_eq!((status, v["error"].as_str()), (503, Some("UNAVAILABLE")));
+    let (status, v) = post(
+        addr,
+        "/v1/leases/return",
+        &with_settled(&return_body("a", "tenant", "t", 1), r#"{"tenant":5}"#),
+    )
+    .await;
+    assert_eq!((status, v["error"].as_str()), (503, Some("UNAVAILABLE")));
+    // A 200 next to unavailable items is an answer: counted.
+    let (status, v) = post(
+        addr,
+        "/v1/leases",
+        r#"{"leases":[
+        {"id":"b","policy":"tenant","key":"t","min":1,"want":1},
+        {"id":"c","policy":"nope","key":"t","min":1,"want":1}],"settled":{"tenant":2}}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["leases"][0]["error"], "UNAVAILABLE");
+    let (_, text) = get(addr, "/metrics").await;
+    assert_eq!(
+        sample(
+            &text,
+            r#"tollgate_limiter_units_settled_total{policy="tenant"}"#
+        ),
+        Some(2),
+        "{text}"
+    );
     limiter.shutdown().await;
 }
 

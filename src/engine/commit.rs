@@ -4,7 +4,9 @@
 //! own.
 
 use super::step::{ask_in_background, bucket_limits, Moment, Scratch, Spend, Step};
-use super::{Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, Plan, Verdict};
+use super::{
+    Admission, Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, Plan, Spent, Verdict,
+};
 use crate::global::DEADLINE_MARGIN_MS;
 use crate::shared::SharedData;
 use crate::table::{Record, Txn};
@@ -31,6 +33,7 @@ impl Engine {
         let ids: Vec<&str> = plan.enforced.iter().map(|m| m.bucket_id.as_str()).collect();
         let scratch = RefCell::new(Scratch::default());
         let spends: RefCell<Vec<Spend>> = RefCell::new(Vec::new());
+        let slots: RefCell<Vec<Option<u64>>> = RefCell::new(Vec::new());
         let result = self.table.transact(
             store,
             &ids,
@@ -58,13 +61,29 @@ impl Engine {
                         _ => Spend::Nothing,
                     })
                     .collect();
+                *slots.borrow_mut() = items
+                    .iter()
+                    .map(|(m, _)| {
+                        scratch
+                            .admissions
+                            .iter()
+                            .find(|a| a.bucket_id == m.bucket_id)
+                            .and_then(|a| a.slot)
+                    })
+                    .collect();
                 for ((_, policy), record) in items.iter().zip(records.iter_mut()) {
-                    settle(record, policy);
+                    mark_evictable(record, policy, now_ms);
                 }
                 Txn::Commit(verdict)
             },
             |index, before, after, current| {
                 // Undo the consumption only; housekeeping (flags, expiry) stays.
+                let slot = slots.borrow().get(index).copied().flatten();
+                if let (Some(epoch), Some((_, policy))) = (slot, items.get(index)) {
+                    if let Some(limit) = policy.in_flight {
+                        current.in_flight.release(epoch, limit.timeout_ms, now_ms);
+                    }
+                }
                 if let Some(((_, policy), spend)) = items.get(index).zip(spends.borrow().get(index))
                 {
                     match spend {
@@ -161,6 +180,23 @@ impl Engine {
         if let Some(((_, policy), _)) = items
             .iter()
             .zip(steps)
+            .find(|(_, s)| matches!(s, Step::Busy))
+        {
+            let outcomes = items
+                .iter()
+                .zip(steps)
+                .filter(|(_, s)| matches!(s, Step::Busy))
+                .map(|((m, _), _)| (m.index, Outcome::InFlightDenied))
+                .collect();
+            return (
+                Verdict::Reply(response::too_many_in_flight(&policy.name)),
+                outcomes,
+                Vec::new(),
+            );
+        }
+        if let Some(((_, policy), _)) = items
+            .iter()
+            .zip(steps)
             .find(|(_, s)| matches!(s, Step::Refuse))
         {
             let outcomes = items
@@ -219,14 +255,11 @@ impl Engine {
                 reset_ms,
             } = step
             {
-                match spend {
-                    Spend::Bucket(state) => record.bucket = Some(*state),
-                    Spend::Lease(cost) => {
-                        record.lease.tokens = record.lease.tokens.saturating_sub(*cost);
-                        self.refill_if_low(m, policy, record, now_ms, scratch);
-                    }
-                    Spend::Nothing => {}
+                apply_spend(*spend, record);
+                if matches!(spend, Spend::Lease(_)) {
+                    self.refill_if_low(m, policy, record, now_ms, scratch);
                 }
+                admit(m, policy, *spend, record, now_ms, scratch);
                 outcomes.push((m.index, *outcome));
                 statuses.push(status(policy, *remaining, *reset_ms));
             }
@@ -268,17 +301,14 @@ impl Engine {
                 let step = self.step(policy, matched, record, at, &mut scratch);
                 let outcome = match step {
                     Step::Allow { spend, outcome, .. } => {
-                        match spend {
-                            Spend::Bucket(state) => record.bucket = Some(state),
-                            Spend::Lease(cost) => {
-                                record.lease.tokens = record.lease.tokens.saturating_sub(cost);
-                                self.refill_if_low(matched, policy, record, now_ms, &mut scratch);
-                            }
-                            Spend::Nothing => {}
+                        apply_spend(spend, record);
+                        if matches!(spend, Spend::Lease(_)) {
+                            self.refill_if_low(matched, policy, record, now_ms, &mut scratch);
                         }
+                        admit(matched, policy, spend, record, now_ms, &mut scratch);
                         outcome
                     }
-                    Step::Deny { .. } => Outcome::ShadowDenied,
+                    Step::Deny { .. } | Step::Busy => Outcome::ShadowDenied,
                     Step::Refuse => Outcome::FailClosed,
                     Step::Need { ask, .. } => {
                         // Shadow never waits: ask in the background, count the request as allowed.
@@ -294,7 +324,7 @@ impl Engine {
                         Outcome::Allowed
                     }
                 };
-                settle(record, policy);
+                mark_evictable(record, policy, now_ms);
                 Txn::Commit(outcome)
             },
             |_, _, _, _| {},
@@ -313,8 +343,47 @@ impl Engine {
     }
 }
 
-/// Sets when a record becomes the same as a fresh one (its slot may then be reused).
-pub(super) fn settle(record: &mut Record, policy: &Policy) {
+fn apply_spend(spend: Spend, record: &mut Record) {
+    match spend {
+        Spend::Bucket(state) => record.bucket = Some(state),
+        Spend::Lease(cost) => record.lease.tokens = record.lease.tokens.saturating_sub(cost),
+        Spend::Nothing => {}
+    }
+}
+
+/// An admitted request takes its in-flight slot, and keeps what its stream end must settle or
+/// release (only for policies that have either).
+fn admit(
+    matched: &Matched,
+    policy: &Policy,
+    spend: Spend,
+    record: &mut Record,
+    now_ms: u64,
+    scratch: &mut Scratch,
+) {
+    if policy.settle.is_none() && policy.reserve.is_none() && policy.in_flight.is_none() {
+        return;
+    }
+    let slot = policy
+        .in_flight
+        .and_then(|limit| record.in_flight.take(limit.max, limit.timeout_ms, now_ms));
+    scratch.admissions.push(Admission {
+        policy: matched.index,
+        bucket_id: matched.bucket_id.clone(),
+        reserved: matched.cost,
+        spent: match spend {
+            Spend::Nothing => Spent::Nothing,
+            Spend::Bucket(_) => Spent::Bucket,
+            Spend::Lease(_) => Spent::Lease,
+        },
+        slot,
+    });
+}
+
+/// Sets when a record becomes the same as a fresh one (its slot may then be reused): a full
+/// bucket (one in debt refills past it first), no live lease, no slot in flight. A debt on the
+/// lease keeps the record as long as the policy's rate takes to make up for it.
+pub(super) fn mark_evictable(record: &mut Record, policy: &Policy, now_ms: u64) {
     let limits = bucket_limits(policy);
     let bucket_full_at = record.bucket.map_or(0, |b| b.full_at_ms(&limits));
     let lease = &record.lease;
@@ -323,7 +392,17 @@ pub(super) fn settle(record: &mut Record, policy: &Policy) {
     } else {
         0
     };
+    let debt_until = if lease.debt > 0 {
+        now_ms.saturating_add(policy.limits.millis_to_refill(lease.debt as f64))
+    } else {
+        0
+    };
+    let slots_until = policy
+        .in_flight
+        .map_or(0, |limit| record.in_flight.busy_until_ms(limit.timeout_ms));
     record.evictable_at_ms = bucket_full_at
+        .max(debt_until)
+        .max(slots_until)
         .max(lease_live)
         .max(lease.pending_until_ms)
         .max(lease.denied_until_ms)

@@ -1,11 +1,16 @@
 //! Plan: which policies apply to a request, with their keys and costs. Computed once per
 //! request; the same plan is decided again after each wait for the limiter.
+//!
+//! A cost is the route's constant, or a reserved estimate: read from a request header here,
+//! or from the request body once it has arrived ([`Engine::read_body`]); clamped by the
+//! policy, so no client can reserve more than `reserve.max` or less than `reserve.min`.
 
 use super::{Engine, Matched, Outcome, Plan};
 use crate::request::{build_key, PolicyKey, RequestFacts, RequestSource};
 use tollgate_core::key::local_bucket_id;
-use tollgate_core::policy::OnMissingKey;
+use tollgate_core::policy::{OnMissingKey, Policy, UnitsSource};
 use tollgate_core::response;
+use tollgate_core::usage::{units_from_json, units_from_text};
 
 impl Engine {
     /// Matches policies and builds keys.
@@ -32,11 +37,13 @@ impl Engine {
                     continue;
                 }
             };
+            let (cost, from_body) = estimate(policy, route.cost, source);
             let matched = Matched {
                 index,
                 bucket_id: local_bucket_id(&policy.name, &key),
                 key,
-                cost: route.cost,
+                cost,
+                from_body,
             };
             if policy.enforce {
                 plan.enforced.push(matched);
@@ -45,5 +52,62 @@ impl Engine {
             }
         }
         plan
+    }
+
+    /// Most request body bytes the plan's estimates read (0: none waits for the body).
+    pub fn body_bytes_wanted(&self, plan: &Plan) -> usize {
+        plan.matched()
+            .filter(|m| m.from_body.is_some())
+            .filter_map(|m| match &self.policies.policies.get(m.index)?.reserve {
+                Some(reserve) => match &reserve.source {
+                    UnitsSource::Body { max_bytes, .. } => Some(*max_bytes),
+                    _ => None,
+                },
+                None => None,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Estimates the costs that wait for the request body. `body`: the whole body, or `None`
+    /// when there is none or it is longer than the filter reads; a body past a policy's
+    /// `max_bytes`, not JSON or without the field takes that policy's default.
+    pub fn read_body(&self, plan: &mut Plan, body: Option<&[u8]>) {
+        for matched in plan.enforced.iter_mut().chain(plan.shadow.iter_mut()) {
+            let Some(plus) = matched.from_body.take() else {
+                continue;
+            };
+            let Some(reserve) = self
+                .policies
+                .policies
+                .get(matched.index)
+                .and_then(|p| p.reserve.as_ref())
+            else {
+                continue;
+            };
+            let value = match (&reserve.source, body) {
+                (UnitsSource::Body { path, max_bytes }, Some(body)) if body.len() <= *max_bytes => {
+                    units_from_json(body, path)
+                }
+                _ => None,
+            };
+            matched.cost = reserve.units(plus, value);
+        }
+    }
+}
+
+/// A matched policy's cost: the route's constant, or the estimate it reserves (with the
+/// route's constant part, when the estimate waits for the body).
+fn estimate(policy: &Policy, constant: u64, source: &impl RequestSource) -> (u64, Option<u64>) {
+    let Some(reserve) = &policy.reserve else {
+        return (constant, None);
+    };
+    match &reserve.source {
+        UnitsSource::Header(name) => {
+            let value = source.header(name).and_then(|v| units_from_text(&v));
+            (reserve.units(constant, value), None)
+        }
+        UnitsSource::Body { .. } => (reserve.units(constant, None), Some(constant)),
+        UnitsSource::Trailer(_) => (reserve.units(constant, None), None),
     }
 }

@@ -1,5 +1,7 @@
 //! Step: what one policy's record says about a request, without committing anything.
 //!
+//! First the key's in-flight slots (`max_in_flight`): a key with all of them held refuses the
+//! request before any budget is looked at.
 //! The local stage is a token bucket in the record. The global stage spends this instance's
 //! lease, or decides against its assignment (a share of the global refill rate that drips into
 //! the record: admissions *and denials* are local, and one renewal per period goes out in the
@@ -8,7 +10,7 @@
 //! answer. [`Engine::undecided`] is the failure-mode wrapper around everything that needs the
 //! limiter.
 
-use super::{Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, ReturnNeed};
+use super::{Admission, Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, ReturnNeed};
 use crate::global::{self, DEADLINE_MARGIN_MS};
 use crate::table::{Lease, Record};
 use tollgate_core::bucket::{try_take, BucketState, Decision as BucketDecision, Limits};
@@ -30,6 +32,8 @@ pub(super) enum Step {
     },
     /// Fail closed.
     Refuse,
+    /// The key has `max_in_flight` requests in flight.
+    Busy,
     /// Nothing local covers the cost: wait for a lease. `ask`: no other request of this
     /// instance is asking for this key, so this one asks.
     Need {
@@ -54,6 +58,8 @@ pub(super) struct Scratch {
     pub returns: Vec<ReturnNeed>,
     pub expired: Vec<(usize, u64)>,
     pub waiting_for: Vec<String>,
+    pub admissions: Vec<Admission>,
+    pub slots_expired: Vec<(usize, u64)>,
 }
 
 impl Scratch {
@@ -62,6 +68,8 @@ impl Scratch {
         decision.returns.extend(self.returns);
         decision.expired.extend(self.expired);
         decision.waiting_for.extend(self.waiting_for);
+        decision.admissions.extend(self.admissions);
+        decision.slots_expired.extend(self.slots_expired);
     }
 }
 
@@ -84,6 +92,15 @@ impl Engine {
         at: Moment<'_>,
         scratch: &mut Scratch,
     ) -> Step {
+        if let Some(limit) = policy.in_flight {
+            let expired = record.in_flight.advance(limit.timeout_ms, at.now_ms);
+            if expired > 0 {
+                scratch.slots_expired.push((matched.index, expired));
+            }
+            if record.in_flight.held() >= u64::from(limit.max) {
+                return Step::Busy;
+            }
+        }
         match (policy.scope, at.limiter) {
             (Scope::Global, Some(settings)) => {
                 self.global_step(policy, matched, record, at, settings, scratch)
@@ -135,6 +152,11 @@ impl Engine {
             ask_in_background(matched, lease, settings, now_ms, scratch);
             lease.assigned_until_ms = lease.assigned_until_ms.max(lease.pending_until_ms);
         }
+        global::pay_debt(lease);
+        if lease.debt > 0 {
+            return self.in_debt(policy, matched, record, at, settings, scratch);
+        }
+        let lease = &mut record.lease;
         if lease.tokens >= cost {
             let left = (lease.tokens - cost) as f64;
             return Step::Allow {
@@ -173,6 +195,47 @@ impl Engine {
             want,
             demand_per_s: global::reported_demand(lease, want, settings, now_ms),
             ask: lease.pending_until_ms <= now_ms,
+        }
+    }
+
+    /// A key whose requests used more than they reserved: refused until what this instance
+    /// receives next has paid the debt (an assignment's drip pays it; else a lease for it is
+    /// asked for in the background), and `Retry-After` covers it. Nothing waits: a debt may be
+    /// larger than one lease can be.
+    fn in_debt(
+        &self,
+        policy: &Policy,
+        matched: &Matched,
+        record: &mut Record,
+        at: Moment<'_>,
+        settings: &LimiterSpec,
+        scratch: &mut Scratch,
+    ) -> Step {
+        let now_ms = at.now_ms;
+        let lease = &mut record.lease;
+        if at.attempt.deadline_passed || lease.unavailable_until_ms > now_ms {
+            return self.undecided(policy, record, now_ms, matched.cost);
+        }
+        let owed = lease.debt.saturating_add(matched.cost);
+        let retry_ms = if global::assigned(lease, now_ms) {
+            global::assignment_retry_ms(lease, owed, now_ms)
+        } else {
+            if lease.pending_until_ms <= now_ms && lease.denied_until_ms <= now_ms {
+                let repay = Matched {
+                    cost: owed.min(policy.burst),
+                    ..matched.clone()
+                };
+                ask_in_background(&repay, lease, settings, now_ms, scratch);
+            }
+            policy
+                .limits
+                .millis_to_refill(owed as f64)
+                .max(lease.denied_until_ms.saturating_sub(now_ms))
+        };
+        Step::Deny {
+            outcome: Outcome::Denied,
+            remaining: 0.0,
+            retry_ms,
         }
     }
 

@@ -370,9 +370,32 @@ fn corrupt_slots_read_as_empty() {
             renew_at_ms: 25,
             assigned_at_ms: 26,
             asked_demand_per_s: 27.5,
+            debt: 28,
+        },
+        in_flight: tollgate_core::in_flight::Slots {
+            epoch: 29,
+            counts: [30, 0, 31, 0, 32],
         },
         evictable_at_ms: 10,
     };
+    // Every part on its own round-trips too (each has its own flag).
+    for part in [
+        Record {
+            in_flight: Default::default(),
+            ..record.clone()
+        },
+        Record {
+            lease: Default::default(),
+            ..record.clone()
+        },
+        Record {
+            bucket: None,
+            lease: Default::default(),
+            ..record.clone()
+        },
+    ] {
+        assert_eq!(decode(&encode(&part)), Some(part.clone()));
+    }
     assert_eq!(decode(&encode(&record)), Some(record.clone()));
     let fresh = Record::fresh("q:k");
     assert_eq!(decode(&encode(&fresh)), Some(fresh));

@@ -213,13 +213,9 @@ impl Rig {
             .engine
             .decide(&plan, &self.store, now, Attempt::default());
         if decision.verdict == Verdict::Wait {
-            assert!(self.worker.wait(
-                context,
-                plan,
-                &decision,
-                now + 35,
-                Rc::new(RefCell::new(Vec::new()))
-            ));
+            assert!(self
+                .worker
+                .wait(context, plan, &decision, now + 35, Default::default()));
         } else {
             self.metrics.record(&decision);
         }
@@ -637,7 +633,7 @@ fn one_request_per_instance_asks_for_a_key_and_other_workers_wait_for_it() {
     let decision = rig.engine.decide(&plan, &rig.store, 1, Attempt::default());
     assert_eq!(decision.verdict, Verdict::Wait);
     assert!(decision.needs.is_empty());
-    assert!(other.wait(9, plan, &decision, 36, Rc::new(RefCell::new(Vec::new()))));
+    assert!(other.wait(9, plan, &decision, 36, Default::default()));
     rig.answer_all(2);
     assert_eq!(rig.host.resumed.borrow().as_slice(), &[1]);
     // Its tick looks at the shared record again and finds the lease.
@@ -688,4 +684,36 @@ fn a_late_denial_never_hides_tokens_the_instance_holds() {
         .unwrap();
     let d = rig.engine.decide(&plan, &rig.store, 2, Attempt::default());
     assert_eq!(d.verdict, Verdict::Continue);
+}
+
+#[test]
+fn settled_units_ride_on_the_next_callout_of_global_policies_only() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"open"}"#, 100));
+    rig.worker.note_settled(0, 30);
+    rig.worker.note_settled(0, 12);
+    // A local policy index (none here) or an unknown one is never reported.
+    rig.worker.note_settled(7, 5);
+    assert_eq!(rig.request(1, "acme", 0), Verdict::Wait);
+    let sent = rig.host.sent.borrow().clone();
+    let batch: LeaseBatch = serde_json::from_slice(&sent[0].2).unwrap();
+    assert_eq!(
+        batch.settled.into_iter().collect::<Vec<_>>(),
+        vec![("g".to_string(), 42)]
+    );
+    // Reported once: the next callout carries nothing until more is settled.
+    rig.answer_all(1);
+    assert_eq!(rig.request(2, "other", 2), Verdict::Wait);
+    let sent = rig.host.sent.borrow().clone();
+    let batch: LeaseBatch = serde_json::from_slice(&sent[0].2).unwrap();
+    assert!(batch.settled.is_empty());
+    // A callout that cannot be sent keeps the count for the next one.
+    rig.answer_all(3);
+    rig.worker.note_settled(0, 8);
+    rig.host.refuse_dispatch.set(true);
+    rig.request(3, "third", 4);
+    rig.host.refuse_dispatch.set(false);
+    rig.request(4, "fourth", 600);
+    let sent = rig.host.sent.borrow().clone();
+    let batch: LeaseBatch = serde_json::from_slice(&sent[0].2).unwrap();
+    assert_eq!(batch.settled.get("g"), Some(&8));
 }

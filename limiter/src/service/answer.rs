@@ -9,6 +9,9 @@
 //!   answers) answers `UNAVAILABLE` for its items; when every item is `UNAVAILABLE` the whole
 //!   answer is `503 {"error":"UNAVAILABLE"}`. Nothing is ever granted or denied that the
 //!   store did not decide.
+//! * a batch's `settled` units are counted when its answer is a 200, except a lease batch
+//!   whose every decided item is a replay: that is a retry of a batch already counted
+//!   ([`settled_counts`]).
 
 use serde::Serialize;
 use tollgate_core::assign::Allotment;
@@ -281,6 +284,35 @@ pub fn tally(item: Option<&LeaseItem>, answer: &Result<Grant, ItemError>) -> Tal
     t
 }
 
+/// Whether the `settled` units a batch carries are counted, given its reply's `status` and,
+/// for a lease batch, its answers (`None` for a return batch).
+///
+/// Counted once the batch is answered: a 200. A 503 (the store decided nothing the limiter
+/// saw) and a 400 count nothing, so the filter may send the same totals again. Every counted
+/// batch was answered, but an answer may still be lost on its way (Envoy's callout timeout,
+/// a reset), and the filter then retries the batch once under the same lease ids with the
+/// same `settled` map. The store says which ids it had decided before (`replayed`), across
+/// limiter replicas, so a lease batch whose every decided item is a replay is taken as such a
+/// retry and not counted again; a batch with at least one item decided now, or with no item
+/// decided at all (only per-item errors, or no items), is counted. What this cannot tell
+/// apart, both rare and bounded by one batch's totals:
+/// * a retry of a batch answered 200 in which some units were `UNAVAILABLE`: its fresh items
+///   make it count again (double counted);
+/// * a batch answered 503 whose store calls were applied after their deadline: its retry is
+///   all replays and is not counted (undercounted);
+/// * returns carry no replay signal (an already returned lease and an unknown one both return
+///   0): a return batch is counted on every 200. The filter does not retry return callouts.
+pub fn settled_counts(status: u16, answers: Option<&[Result<Grant, ItemError>]>) -> bool {
+    if status != 200 {
+        return false;
+    }
+    let Some(answers) = answers else {
+        return true;
+    };
+    let mut decided = answers.iter().filter_map(|a| a.as_ref().ok()).peekable();
+    decided.peek().is_none() || decided.any(|grant| !grant.replayed)
+}
+
 /// `returns_total` outcome and tokens returned of one return's result.
 pub fn return_tally(result: &Result<u64, ItemError>) -> (&'static str, u64) {
     match result {
@@ -317,7 +349,7 @@ mod tests {
 
     fn requests(body: &str) -> (Vec<LeaseRequest>, LeasePlan) {
         let policies = Policies::from_json(DOC.as_bytes()).unwrap();
-        let requests = parse_leases(body.as_bytes()).unwrap();
+        let requests = parse_leases(body.as_bytes()).unwrap().leases;
         let plan = plan_leases(&policies, &requests);
         (requests, plan)
     }
@@ -455,6 +487,41 @@ mod tests {
         assert_eq!(return_tally(&Ok(4)), (outcome::RETURNED, 4));
         let invalid = ItemError::policy("unknown policy `x`");
         assert_eq!(return_tally(&Err(invalid)), ("INVALID_POLICY", 0));
+    }
+
+    #[test]
+    fn settled_counts_on_an_answer_but_not_on_a_replayed_retry() {
+        let fresh = Ok(grant(1, 0.0, 0));
+        let denied = Ok(grant(0, 0.0, 0));
+        let replayed = Ok(Grant {
+            replayed: true,
+            ..grant(1, 0.0, 0)
+        });
+        let invalid = Err(ItemError::policy("unknown policy `x`"));
+        let unavailable = Err(ItemError::unavailable("timeout"));
+        for answers in [
+            vec![fresh.clone()],
+            vec![denied.clone()],
+            vec![replayed.clone(), denied.clone()],
+            vec![replayed.clone(), unavailable.clone(), fresh.clone()],
+            vec![invalid.clone()],
+            vec![invalid.clone(), unavailable.clone()],
+            vec![],
+        ] {
+            assert!(settled_counts(200, Some(&answers)), "{answers:?}");
+            assert!(!settled_counts(503, Some(&answers)), "{answers:?}");
+            assert!(!settled_counts(400, Some(&answers)), "{answers:?}");
+        }
+        for answers in [
+            vec![replayed.clone()],
+            vec![replayed.clone(), replayed.clone()],
+            vec![replayed.clone(), invalid.clone(), unavailable.clone()],
+        ] {
+            assert!(!settled_counts(200, Some(&answers)), "{answers:?}");
+        }
+        assert!(settled_counts(200, None));
+        assert!(!settled_counts(503, None));
+        assert!(!settled_counts(400, None));
     }
 
     #[test]

@@ -3,20 +3,22 @@
 //! unit-tested directly.
 //!
 //! * A malformed batch (bad JSON, unknown fields, negative or fractional amounts, more than
-//!   `MAX_BATCH` items) is refused whole ([`BatchRefused`], answered 400 with the reason).
+//!   `MAX_BATCH` items, more than `MAX_SETTLED_POLICIES` entries in `settled`) is refused
+//!   whole ([`BatchRefused`], answered 400 with the reason).
 //! * Per item: an unknown or non-global policy is `INVALID_POLICY`; a bad key, a bad id,
 //!   `min == 0`, `min > burst`, a bad `holder` or a bad `demand_per_s` is `INVALID_REQUEST`;
 //!   `want` is clamped to `[min, burst]`.
 //! * A group is decided in one store call, so its keys must share a hash tag; one invalid
 //!   member makes the whole group invalid (it cannot be decided all-or-nothing any more).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use tollgate_core::assign::MAX_HOLDER_BYTES;
 use tollgate_core::key;
 use tollgate_core::policy::{Policies, Policy, Scope};
 use tollgate_core::protocol::{
     ErrorCode, LeaseBatch, LeaseRequest, LeaseReturn, ReturnBatch, MAX_BATCH, MAX_LEASE_ID_BYTES,
+    MAX_SETTLED_POLICIES,
 };
 
 use crate::store::{LeaseItem, ReturnItem};
@@ -79,13 +81,14 @@ pub struct Unit {
     pub items: Vec<LeaseItem>,
 }
 
-/// Parses `POST /v1/leases`: the JSON shape, the batch size, and ids unique in the batch.
+/// Parses `POST /v1/leases`: the JSON shape, the batch size, the size of `settled`, and ids
+/// unique in the batch.
 ///
 /// A lease id names one lease record in the store, so two items with one id could not both
 /// be decided once each: whichever ran second would replay the first. Rather than answer
 /// such a batch half (one result decided, the other refused, and which is which depending on
 /// the order of the store calls), the whole batch is refused, naming the id.
-pub fn parse_leases(body: &[u8]) -> Result<Vec<LeaseRequest>, BatchRefused> {
+pub fn parse_leases(body: &[u8]) -> Result<LeaseBatch, BatchRefused> {
     let batch: LeaseBatch = serde_json::from_slice(body)
         .map_err(|e| BatchRefused(format!("invalid lease batch: {e}")))?;
     if batch.leases.len() > MAX_BATCH {
@@ -94,6 +97,7 @@ pub fn parse_leases(body: &[u8]) -> Result<Vec<LeaseRequest>, BatchRefused> {
             batch.leases.len()
         )));
     }
+    check_settled(&batch.settled)?;
     let mut first_at: HashMap<&str, usize> = HashMap::with_capacity(batch.leases.len());
     for (i, request) in batch.leases.iter().enumerate() {
         if let Some(first) = first_at.insert(request.id.as_str(), i) {
@@ -104,11 +108,12 @@ pub fn parse_leases(body: &[u8]) -> Result<Vec<LeaseRequest>, BatchRefused> {
             )));
         }
     }
-    Ok(batch.leases)
+    Ok(batch)
 }
 
-/// Parses `POST /v1/leases/return`: the JSON shape and the batch size.
-pub fn parse_returns(body: &[u8]) -> Result<Vec<LeaseReturn>, BatchRefused> {
+/// Parses `POST /v1/leases/return`: the JSON shape, the batch size and the size of
+/// `settled`.
+pub fn parse_returns(body: &[u8]) -> Result<ReturnBatch, BatchRefused> {
     let batch: ReturnBatch = serde_json::from_slice(body)
         .map_err(|e| BatchRefused(format!("invalid return batch: {e}")))?;
     if batch.returns.len() > MAX_BATCH {
@@ -117,7 +122,21 @@ pub fn parse_returns(body: &[u8]) -> Result<Vec<LeaseReturn>, BatchRefused> {
             batch.returns.len()
         )));
     }
-    Ok(batch.returns)
+    check_settled(&batch.settled)?;
+    Ok(batch)
+}
+
+/// A batch's `settled` map names at most `MAX_SETTLED_POLICIES` policies (as many as a
+/// policy document may define): the work of counting it stays bounded whatever the body.
+/// Names are not checked here: one the document does not know is counted as unknown.
+fn check_settled(settled: &BTreeMap<String, u64>) -> Result<(), BatchRefused> {
+    if settled.len() > MAX_SETTLED_POLICIES {
+        return Err(BatchRefused(format!(
+            "{} policies in `settled`; at most {MAX_SETTLED_POLICIES}",
+            settled.len()
+        )));
+    }
+    Ok(())
 }
 
 /// Validates every request of a parsed lease batch and splits the valid ones into units.
@@ -325,7 +344,7 @@ mod tests {
     }
 
     fn plan(body: &str) -> LeasePlan {
-        let requests = parse_leases(body.as_bytes()).unwrap();
+        let requests = parse_leases(body.as_bytes()).unwrap().leases;
         plan_leases(&policies(), &requests)
     }
 
@@ -363,6 +382,60 @@ mod tests {
         assert!(reason.contains("at most 256"), "{reason}");
         assert!(parse_returns(b"{}").is_err());
         assert!(parse_returns(br#"{"returns":[{"id":"a"}]}"#).is_err());
+    }
+
+    #[test]
+    fn settled_is_parsed_and_bounded() {
+        let settled = |n: usize| {
+            let entries: Vec<String> = (0..n).map(|i| format!(r#""p{i}":{i}"#)).collect();
+            format!("{{{}}}", entries.join(","))
+        };
+        let lease = |n: usize| format!(r#"{{"leases":[],"settled":{}}}"#, settled(n));
+        let ret = |n: usize| format!(r#"{{"returns":[],"settled":{}}}"#, settled(n));
+        let batch = parse_leases(lease(3).as_bytes()).unwrap();
+        assert_eq!(batch.settled.get("p2"), Some(&2));
+        assert_eq!(
+            parse_leases(lease(MAX_SETTLED_POLICIES).as_bytes())
+                .unwrap()
+                .settled
+                .len(),
+            MAX_SETTLED_POLICIES
+        );
+        assert_eq!(
+            parse_returns(ret(MAX_SETTLED_POLICIES).as_bytes())
+                .unwrap()
+                .settled
+                .len(),
+            MAX_SETTLED_POLICIES
+        );
+        for reason in [
+            parse_leases(lease(MAX_SETTLED_POLICIES + 1).as_bytes()).unwrap_err(),
+            parse_returns(ret(MAX_SETTLED_POLICIES + 1).as_bytes()).unwrap_err(),
+        ] {
+            assert!(
+                reason
+                    .0
+                    .contains("1025 policies in `settled`; at most 1024"),
+                "{reason:?}"
+            );
+        }
+        for body in [
+            r#"{"leases":[],"settled":{"g":-1}}"#,
+            r#"{"leases":[],"settled":{"g":2.5}}"#,
+            r#"{"leases":[],"settled":[["g",1]]}"#,
+        ] {
+            let BatchRefused(reason) = parse_leases(body.as_bytes()).unwrap_err();
+            assert!(
+                reason.starts_with("invalid lease batch"),
+                "{body}: {reason}"
+            );
+        }
+        assert!(parse_returns(br#"{"returns":[],"settled":{"g":-1}}"#).is_err());
+        // Absent: nothing settled (bodies from filters that do not report).
+        assert!(parse_returns(br#"{"returns":[]}"#)
+            .unwrap()
+            .settled
+            .is_empty());
     }
 
     #[test]
@@ -499,7 +572,8 @@ mod tests {
             {"id":"a","policy":"g","key":"t{","unused":3},
             {"id":"","policy":"g","key":"t","unused":3}]}"#,
         )
-        .unwrap();
+        .unwrap()
+        .returns;
         let checked: Vec<_> = returns
             .iter()
             .map(|r| validate_return(&policies, r))
