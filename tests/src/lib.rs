@@ -27,6 +27,7 @@ pub mod client;
 pub mod envoy;
 pub mod error;
 pub mod http_blocking;
+pub mod metered;
 pub mod mtls;
 pub mod paths;
 pub mod pki;
@@ -43,6 +44,9 @@ pub use client::{
 };
 pub use envoy::{render_file, render_template, Envoy, EnvoyOptions};
 pub use error::HarnessError;
+pub use metered::{
+    try_send_streamed, MeteredRequest, MeteredUpstream, StreamedResponse, UsageIn, Wire,
+};
 pub use ports::free_port;
 pub use redis::{
     AclUser, ClusterNode, RedisCluster, RedisOptions, RedisServer, RedisTls, Resp, Role,

@@ -5,11 +5,13 @@
 use std::time::{Duration, Instant};
 
 use tollgate_e2e::client::try_send_timeout;
+use tollgate_e2e::metered;
 use tollgate_e2e::redis::Role;
 use tollgate_e2e::upstream::{MockResponse, UPSTREAM_BODY};
 use tollgate_e2e::{
-    burst_timed, free_port, render_template, send, try_burst, Envoy, EnvoyOptions, RedisCluster,
-    RedisServer, RequestSpec, Resp, Upstream,
+    burst_timed, free_port, render_template, send, try_burst, try_send_streamed, Envoy,
+    EnvoyOptions, HarnessError, MeteredRequest, MeteredUpstream, RedisCluster, RedisServer,
+    RequestSpec, Resp, Upstream, UsageIn, Wire,
 };
 
 const DIRECT_YAML: &str = r#"
@@ -376,4 +378,400 @@ async fn scripted_upstream_and_client_timeouts() {
     let results = try_burst(closed, 6, 3, |_| RequestSpec::get("/")).await;
     assert_eq!(results.len(), 6);
     assert!(results.iter().all(|r| r.is_err()));
+}
+
+// ---- The metered upstream (tests/src/metered.rs), directly and through a plain Envoy ----
+
+/// A plain Envoy (no tollgate filter) in front of one [`MeteredUpstream`], reached over two
+/// clusters: `/h1/...` over HTTP/1.1 (trailers enabled), `/h2/...` over h2c. `.../timeout/...`
+/// routes give up after 300 ms. Trailers go on to HTTP/1.1 clients (`enable_trailers`), and
+/// every request is logged to `access.log` in Envoy's log directory (its working directory).
+const METERED_YAML: &str = r#"
+admin:
+  address: { socket_address: { address: 127.0.0.1, port_value: 0 } }
+static_resources:
+  listeners:
+  - name: ingress
+    address: { socket_address: { address: 127.0.0.1, port_value: 0 } }
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: ingress
+          http_protocol_options: { enable_trailers: true }
+          access_log:
+          - name: envoy.access_loggers.file
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
+              path: access.log
+              log_format:
+                text_format_source:
+                  inline_string: "tag=%REQ(x-request-tag)% status=%RESPONSE_CODE% flags=%RESPONSE_FLAGS% upstream=%UPSTREAM_PROTOCOL% trailer=%TRAILER(x-usage-units)%\n"
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: { prefix: "/h1/timeout/" }
+                route: { cluster: backend_h1, timeout: 0.3s }
+              - match: { prefix: "/h2/timeout/" }
+                route: { cluster: backend_h2, timeout: 0.3s }
+              - match: { prefix: "/h1/" }
+                route: { cluster: backend_h1 }
+              - match: { prefix: "/h2/" }
+                route: { cluster: backend_h2 }
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }
+  clusters:
+  - name: backend_h1
+    connect_timeout: 1s
+    type: STATIC
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http_protocol_options: { enable_trailers: true }
+    load_assignment:
+      cluster_name: backend_h1
+      endpoints:
+      - lb_endpoints:
+        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: {{UPSTREAM_PORT}} } } }
+  - name: backend_h2
+    connect_timeout: 1s
+    type: STATIC
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options: {}
+    load_assignment:
+      cluster_name: backend_h2
+      endpoints:
+      - lb_endpoints:
+        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: {{UPSTREAM_PORT}} } } }
+"#;
+
+const T: Duration = Duration::from_secs(10);
+
+fn metered_envoy(upstream: &MeteredUpstream) -> Envoy {
+    Envoy::start(EnvoyOptions::new(render_template(
+        METERED_YAML,
+        &[("UPSTREAM_PORT", &upstream.port())],
+    )))
+}
+
+/// The access log line of the request tagged `tag` (waits for the file writer's flush).
+fn access_log_line(envoy: &Envoy, tag: &str) -> Result<String, HarnessError> {
+    let path = envoy.log_dir().join("access.log");
+    let needle = format!("tag={tag} ");
+    let read = || std::fs::read_to_string(&path).unwrap_or_default();
+    tollgate_e2e::process::wait_for(&format!("access log line {needle:?}"), T, || {
+        read()
+            .lines()
+            .find(|l| l.starts_with(&needle))
+            .map(str::to_owned)
+    })
+    .map_err(|e| HarnessError::new(format!("{e}; access.log:\n{}", read())))
+}
+
+#[tokio::test]
+async fn metered_upstream_answers_directly() {
+    let up = MeteredUpstream::start();
+    let port = up.port();
+    let get = |path: &str| RequestSpec::get(path);
+
+    let r = send(port, get("/").usage(7).tag("a")).await;
+    assert_eq!((r.status, r.body.as_str()), (200, metered::OK_BODY));
+    assert_eq!(r.header(metered::USAGE_UNITS), Some("7"));
+    assert_eq!(r.header(metered::REQUEST_TAG), Some("a"));
+
+    let r = send(port, get("/").usage(7).usage_in(UsageIn::None).status(429)).await;
+    assert_eq!((r.status, r.body.as_str()), (429, metered::OK_BODY));
+    assert_eq!(r.header(metered::USAGE_UNITS), None);
+
+    // A directive that does not parse is a 400 that names it.
+    let r = send(port, get("/").header("x-usage-in", "body")).await;
+    assert_eq!(r.status, 400);
+    assert!(r.body.contains("x-usage-in"), "{}", r.body);
+
+    // Trailers: always over h2; over HTTP/1.1 only when the request says `te: trailers`.
+    let trailer = || get("/").usage(5).usage_in(UsageIn::Trailer).tag("t");
+    let h2 = try_send_streamed(port, trailer(), Wire::H2c, T)
+        .await
+        .unwrap();
+    assert_eq!((h2.status, h2.body.as_str()), (200, metered::OK_BODY));
+    assert_eq!(h2.trailer(metered::USAGE_UNITS), Some("5"));
+    let h1 = try_send_streamed(port, trailer().header("te", "trailers"), Wire::Http1, T)
+        .await
+        .unwrap();
+    assert_eq!(h1.header("transfer-encoding"), Some("chunked"));
+    assert_eq!(h1.trailer(metered::USAGE_UNITS), Some("5"));
+    let h1 = try_send_streamed(port, trailer(), Wire::Http1, T)
+        .await
+        .unwrap();
+    assert_eq!(h1.body, metered::OK_BODY);
+    assert_eq!(h1.trailers, vec![]);
+
+    up.wait_in_flight(0, T);
+    assert_eq!(up.requests(), 6);
+    assert_eq!((up.completed(), up.aborted()), (6, 0));
+    assert_eq!(up.max_in_flight(), 1);
+    assert_eq!(up.tags(), ["a", "t", "t", "t"]);
+}
+
+#[tokio::test]
+async fn metered_shapes_arrive_whole_through_envoy() {
+    let up = MeteredUpstream::start();
+    let envoy = metered_envoy(&up);
+    let port = envoy.listener_port("ingress");
+
+    for proto in ["h1", "h2"] {
+        let path = format!("/{proto}/v1/chat");
+        let spec = || RequestSpec::post(path.as_str(), "{\"model\":\"m\"}");
+
+        let r = send(port, spec().usage(11).tag(format!("{proto}-header"))).await;
+        assert_eq!((r.status, r.body.as_str()), (200, metered::OK_BODY));
+        assert_eq!(r.header(metered::USAGE_UNITS), Some("11"));
+
+        let r = send(port, spec().usage(11).usage_in(UsageIn::None).status(503)).await;
+        assert_eq!((r.status, r.body.as_str()), (503, metered::OK_BODY));
+        assert_eq!(r.header(metered::USAGE_UNITS), None);
+
+        let r = send(
+            port,
+            spec().usage(11).usage_in(UsageIn::Json).body_delay_ms(20),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert_eq!(r.body, metered::json_body(Some(11)));
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(v["usage"]["total_tokens"], 11);
+
+        // SSE: every event, in order, streamed (100 ms between events: they cannot all
+        // arrive as one chunk unless Envoy stalled for 400 ms).
+        let r = try_send_streamed(
+            port,
+            spec()
+                .usage(11)
+                .usage_in(UsageIn::Sse)
+                .sse_event_count(3)
+                .body_delay_ms(100),
+            Wire::Http1,
+            T,
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("content-type"), Some("text/event-stream"));
+        assert_eq!(r.body, metered::sse_events(3, Some(11)).concat());
+        assert!(r.body.ends_with("data: [DONE]\n\n"));
+        assert!(
+            r.chunks.len() >= 2,
+            "SSE arrived in one piece: {:?}",
+            r.chunks
+        );
+    }
+
+    up.wait_in_flight(0, T);
+    assert_eq!(up.requests(), 8);
+    assert_eq!((up.completed(), up.aborted()), (8, 0));
+    assert_eq!(up.tags(), ["h1-header", "h2-header"]);
+}
+
+#[tokio::test]
+async fn metered_trailer_reaches_envoy_and_clients() {
+    let up = MeteredUpstream::start();
+    let envoy = metered_envoy(&up);
+    let port = envoy.listener_port("ingress");
+    let spec = |proto: &str, tag: &str| {
+        RequestSpec::get(format!("/{proto}/v1/chat"))
+            .usage(42)
+            .usage_in(UsageIn::Trailer)
+            .body_delay_ms(30)
+            .tag(tag)
+    };
+
+    // h2 towards the upstream: the trailer reaches Envoy, an h2c client, and (with the
+    // listener's `enable_trailers`) an HTTP/1.1 client.
+    let r = try_send_streamed(port, spec("h2", "h2-to-h2c"), Wire::H2c, T)
+        .await
+        .unwrap();
+    assert_eq!((r.status, r.body.as_str()), (200, metered::OK_BODY));
+    assert_eq!(r.trailer(metered::USAGE_UNITS), Some("42"), "{r:?}");
+    let r = try_send_streamed(port, spec("h2", "h2-to-h1"), Wire::Http1, T)
+        .await
+        .unwrap();
+    assert_eq!(r.body, metered::OK_BODY);
+    assert_eq!(r.trailer(metered::USAGE_UNITS), Some("42"), "{r:?}");
+    for tag in ["h2-to-h2c", "h2-to-h1"] {
+        let line = access_log_line(&envoy, tag).unwrap();
+        assert!(line.contains("upstream=HTTP/2 trailer=42"), "{line}");
+    }
+
+    // HTTP/1.1 towards the upstream, even with the cluster's `enable_trailers`: hyper sends
+    // HTTP/1.1 trailers only to a request with `te: trailers`, which Envoy does not add but
+    // forwards from the client. (Without `enable_trailers` on the cluster, Envoy drops them
+    // even then.) Hence h2 towards an upstream whose usage comes in a trailer.
+    for (tag, wire, te, expected) in [
+        ("h1-to-h2c", Wire::H2c, false, None),
+        ("h1-to-h1", Wire::Http1, false, None),
+        ("h1-to-h2c-te", Wire::H2c, true, Some("42")),
+        ("h1-to-h1-te", Wire::Http1, true, Some("42")),
+    ] {
+        let mut s = spec("h1", tag);
+        if te {
+            s = s.header("te", "trailers");
+        }
+        let r = try_send_streamed(port, s, wire, T).await.unwrap();
+        assert_eq!(r.body, metered::OK_BODY, "{tag}");
+        assert_eq!(r.trailer(metered::USAGE_UNITS), expected, "{tag}: {r:?}");
+        let line = access_log_line(&envoy, tag).unwrap();
+        let logged = format!("upstream=HTTP/1.1 trailer={}", expected.unwrap_or("-"));
+        assert!(line.contains(&logged), "{tag}: {line}");
+    }
+    up.wait_in_flight(0, T);
+    assert_eq!((up.completed(), up.aborted()), (6, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metered_burst_overlaps_and_drains() {
+    const N: usize = 60;
+    const DELAY_MS: u64 = 300;
+    let up = MeteredUpstream::start();
+    let envoy = metered_envoy(&up);
+    let port = envoy.listener_port("ingress");
+
+    let started = Instant::now();
+    let results = burst_timed(port, N, N, |i| {
+        let proto = if i % 2 == 0 { "h1" } else { "h2" };
+        RequestSpec::get(format!("/{proto}/v1/chat"))
+            .usage(1)
+            .delay_ms(DELAY_MS)
+            .tag(format!("r{i}"))
+    })
+    .await;
+    let elapsed = started.elapsed();
+    assert!(results.iter().all(|t| t.response.status == 200));
+    up.wait_in_flight(0, T);
+
+    // Every answer was in flight for at least DELAY_MS, all inside `elapsed`, so on average
+    // N * DELAY_MS / elapsed were in flight at once: the maximum is at least that (however
+    // slowly the machine sent them), and at most N.
+    let elapsed_ms = u64::try_from(elapsed.as_millis()).unwrap().max(1);
+    let lower_bound = N as u64 * DELAY_MS / elapsed_ms;
+    let max = up.max_in_flight();
+    eprintln!("burst of {N}: {elapsed:?}, max_in_flight {max} (lower bound {lower_bound})");
+    assert!(
+        (lower_bound.max(2)..=N as u64).contains(&max),
+        "max_in_flight {max}, burst took {elapsed:?}"
+    );
+    assert_eq!(up.requests(), N as u64);
+    assert_eq!((up.completed(), up.aborted()), (N as u64, 0));
+    let mut tags = up.tags();
+    tags.sort();
+    let mut expected: Vec<String> = (0..N).map(|i| format!("r{i}")).collect();
+    expected.sort();
+    assert_eq!(tags, expected);
+
+    up.reset_max_in_flight();
+    assert_eq!(up.max_in_flight(), 0);
+    let r = send(port, RequestSpec::get("/h2/one")).await;
+    assert_eq!(r.status, 200);
+    up.wait_in_flight(0, T);
+    assert_eq!(up.max_in_flight(), 1);
+}
+
+#[tokio::test]
+async fn metered_reset_after_headers_reaches_the_client() {
+    let up = MeteredUpstream::start();
+    let envoy = metered_envoy(&up);
+    let port = envoy.listener_port("ingress");
+
+    // Concurrently: an HTTP/1.1 client learns of the reset when Envoy closes the connection,
+    // which it does after its `delayed_close_timeout` (1 s by default); h2c gets RST_STREAM.
+    let mut cases = tokio::task::JoinSet::new();
+    for proto in ["h1", "h2"] {
+        for (place, wire) in [
+            (UsageIn::Header, Wire::Http1),
+            (UsageIn::Sse, Wire::Http1),
+            (UsageIn::Header, Wire::H2c),
+        ] {
+            let tag = format!("{proto}-{}-{wire:?}", place.as_str());
+            let spec = RequestSpec::get(format!("/{proto}/v1/chat"))
+                .usage(3)
+                .usage_in(place)
+                .reset_after_headers()
+                .tag(tag.as_str());
+            cases.spawn(async move {
+                let result = try_send_streamed(port, spec, wire, T).await;
+                (tag, wire, result)
+            });
+        }
+    }
+    while let Some(case) = cases.join_next().await {
+        let (tag, wire, result) = case.unwrap();
+        let err = result.unwrap_err().to_string();
+        if wire == Wire::Http1 {
+            // The headers made it through, then the body was cut.
+            assert!(
+                err.contains("reading response body (status 200"),
+                "{tag}: {err}"
+            );
+        }
+        let line = access_log_line(&envoy, &tag).unwrap();
+        assert!(line.contains("status=200 flags=U"), "{tag}: {line}");
+    }
+    up.wait_in_flight(0, T);
+    assert_eq!(up.requests(), 6);
+    assert_eq!((up.completed(), up.aborted()), (0, 6));
+    // HTTP/1.1: the upstream closed the connection mid-response; h2: it reset the stream.
+    for (stat, n) in [
+        (
+            "cluster.backend_h1.upstream_cx_destroy_remote_with_active_rq",
+            3,
+        ),
+        ("cluster.backend_h2.upstream_rq_rx_reset", 3),
+        ("http.ingress.downstream_rq_tx_reset", 6),
+    ] {
+        assert_eq!(envoy.wait_counter(stat, n, T), n, "{stat}");
+    }
+}
+
+#[tokio::test]
+async fn metered_route_timeout_releases_the_upstream() {
+    const DELAY_MS: u64 = 30_000;
+    let up = MeteredUpstream::start();
+    let envoy = metered_envoy(&up);
+    let port = envoy.listener_port("ingress");
+
+    for (n, proto) in (1..).zip(["h1", "h2"]) {
+        let tag = format!("{proto}-timeout");
+        let started = Instant::now();
+        let r = send(
+            port,
+            RequestSpec::get(format!("/{proto}/timeout/v1/chat"))
+                .usage(3)
+                .delay_ms(DELAY_MS)
+                .tag(tag.as_str()),
+        )
+        .await;
+        assert_eq!(
+            (r.status, r.body.as_str()),
+            (504, "upstream request timeout")
+        );
+        // Envoy closed the connection (HTTP/1.1) or reset the stream (h2): the upstream drops
+        // the answer it was delaying, long before the delay is over.
+        up.wait_in_flight(0, T);
+        let released = started.elapsed();
+        assert!(released < Duration::from_millis(DELAY_MS), "{released:?}");
+        assert_eq!((up.requests(), up.completed(), up.aborted()), (n, 0, n));
+        eprintln!("{tag}: 504 and upstream released after {released:?}");
+        let line = access_log_line(&envoy, &tag).unwrap();
+        assert!(line.contains("status=504 flags=UT"), "{line}");
+        let stat = format!("cluster.backend_{proto}.upstream_rq_timeout");
+        assert_eq!(envoy.wait_counter(&stat, 1, T), 1);
+    }
 }
