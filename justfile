@@ -50,6 +50,12 @@ demo-local: build-wasm
     @echo "  curl -si -X POST -H 'host: api.example.com' -H 'x-tenant-id: acme' localhost:10000/payments/transfers"
     envoy -c envoy/local.yaml --concurrency 4 --disable-hot-restart -l warn
 
+# An LLM gateway: tokens reserved from `max_tokens`, settled from `usage.total_tokens` (policies/llm.json).
+demo-llm: build-wasm
+    @echo "tollgate (LLM tokens per tenant) on http://127.0.0.1:10000 (admin :9901). Try:"
+    @echo "  curl -si -H 'x-tenant-id: acme' -H 'content-type: application/json' -d '{\"max_tokens\":300}' localhost:10000/v1/chat/completions"
+    envoy -c envoy/llm.yaml --concurrency 4 --disable-hot-restart -l warn
+
 # Build the limiter service (debug profile: builds fast, plenty for a demo).
 build-limiter:
     cargo build -p tollgate-limiter

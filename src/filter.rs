@@ -200,6 +200,7 @@ impl RootContext for Root {
             admitted: Admitted::default(),
             body_wait: None,
             usage: None,
+            held: false,
             finished: false,
         }))
     }
@@ -277,6 +278,10 @@ struct Http {
     body_wait: Option<(Plan, usize)>,
     /// What the response says the request cost, once its headers arrived.
     usage: Option<ResponseUsage>,
+    /// The request was decided in a body callback and paused for a lease, or answered
+    /// locally: the rest of its body must be held (a body callback that continues lets the
+    /// whole request go on) until the worker resumes it.
+    held: bool,
     /// The stream end was handled (settlements done, slots released).
     finished: bool,
 }
@@ -354,9 +359,13 @@ impl Http {
         // housekeeping (expired leases) now.
         configured.metrics.record(&decision);
         match decision.verdict {
-            Verdict::Wait => Action::Pause,
+            Verdict::Wait => {
+                self.held = true;
+                Action::Pause
+            }
             Verdict::Reply(reply) => {
                 if send_reply(&reply) {
+                    self.held = true;
                     Action::Pause
                 } else {
                     Action::Continue
@@ -369,6 +378,11 @@ impl Http {
                 Action::Continue
             }
         }
+    }
+
+    /// Whether the request still waits for its decision (or was answered locally).
+    fn still_held(&self) -> bool {
+        self.held && !self.admitted.borrow().resumed
     }
 
     /// Applies what the response said about some admissions.
@@ -446,10 +460,14 @@ impl HttpContext for Http {
         }
         if plan.needs_body() {
             if !end_of_stream {
-                // Envoy buffers the body until it is complete or longer than what is read.
+                // The estimate is in the body. Proxy-Wasm cannot hold the headers and still see
+                // the body (a paused header callback stops the body callbacks too), so the
+                // headers go on and the body is held (buffered by Envoy) until it is complete or
+                // longer than what is read; a refusal then resets the upstream stream before
+                // any of the body reached it.
                 let max = engine.body_bytes_wanted(&plan);
                 self.body_wait = Some((plan, max));
-                return Action::Pause;
+                return Action::Continue;
             }
             engine.read_body(&mut plan, None);
         }
@@ -457,6 +475,9 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.still_held() {
+            return Action::Pause;
+        }
         let (Some(configured), Some((mut plan, max))) =
             (self.configured.clone(), self.body_wait.take())
         else {
@@ -478,6 +499,9 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.still_held() {
+            return Action::Pause;
+        }
         // A body followed by trailers: the estimate takes its default.
         let (Some(configured), Some((mut plan, _))) =
             (self.configured.clone(), self.body_wait.take())
