@@ -1,0 +1,189 @@
+#![cfg(feature = "e2e")]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+//! End-to-end test of settlement on the global stage: two real Envoys (shipped
+//! `envoy/global.yaml`, two workers each) with the built filter, the real limiter on a real
+//! `redis-server`, a metered upstream whose answers report varying actual costs. Refunds go
+//! back to the instance's lease, excesses become debt on the key, and the fleet's settled
+//! units stay within the global budget at a few lease calls per second.
+
+use std::time::{Duration, Instant};
+
+use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
+use tollgate_e2e::{
+    process, send, Envoy, EnvoyOptions, MeteredRequest, MeteredUpstream, RedisServer, RequestSpec,
+};
+
+const POLICY: &str = "tokens";
+/// 100 units per second, burst 50; a request reserves 10 and really costs 5 to 15.
+const RATE: u64 = 100;
+const BURST: u64 = 50;
+const ESTIMATE: u64 = 10;
+const MOST_EXCESS: u64 = 5;
+const SECONDS: u64 = 6;
+/// Each instance offers 15 requests a second, one at a time: 300 units/s, 3× the rate.
+const PERIOD: Duration = Duration::from_micros(1_000_000 / 15);
+
+fn policy() -> String {
+    format!(
+        r#"{{
+  "policies": [{{
+    "name": "{POLICY}",
+    "match": {{ "routes": ["POST /v1/chat/completions"] }},
+    "key": [{{ "header": "x-tenant-id" }}],
+    "rate": {{ "units": {RATE}, "per": "1s" }},
+    "burst": {BURST},
+    "reserve": {{ "from": {{ "header": "x-estimated-units" }}, "default": {ESTIMATE}, "max": {BURST} }},
+    "settle": {{ "from": {{ "header": "x-usage-units" }}, "max_debt": {BURST} }},
+    "scope": "global",
+    "on_unavailable": {{ "mode": "closed" }}
+  }}],
+  "limiter": {{ "cluster": "tollgate_limiter", "timeout": "200ms" }}
+}}"#
+    )
+}
+
+fn counter(envoy: &Envoy, what: &str) -> u64 {
+    prometheus_value(
+        &envoy.stats_prometheus(),
+        &format!("tollgate_{what}{{policy=\"{POLICY}\"}}"),
+    ) as u64
+}
+
+/// What one instance's client saw.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    offered: u64,
+    admitted: u64,
+    /// The actual units of the admitted requests.
+    used: u64,
+    denied: u64,
+    other: u64,
+}
+
+/// One request at a time to `port` every [`PERIOD`] for [`SECONDS`], each really costing
+/// 5..=15 units (an even spread around the estimate of 10).
+async fn client(port: u16, seed: u64) -> Seen {
+    let start = Instant::now();
+    let mut seen = Seen::default();
+    let mut i = 0u64;
+    while start.elapsed() < Duration::from_secs(SECONDS) {
+        let due = start + PERIOD * i as u32;
+        tokio::time::sleep_until(due.into()).await;
+        let used = ESTIMATE - MOST_EXCESS + (i * 7 + seed) % (2 * MOST_EXCESS + 1);
+        let r = send(
+            port,
+            RequestSpec::post("/v1/chat/completions", "{}")
+                .header("x-tenant-id", "acme")
+                .header("x-estimated-units", ESTIMATE.to_string())
+                .usage(used),
+        )
+        .await;
+        seen.offered += 1;
+        match r.status {
+            200 => {
+                seen.admitted += 1;
+                seen.used += used;
+            }
+            429 => seen.denied += 1,
+            _ => seen.other += 1,
+        }
+        i += 1;
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settled_units_stay_within_the_global_budget_under_three_times_the_demand() {
+    let policy = policy();
+    let redis = RedisServer::start();
+    let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    let upstream = MeteredUpstream::start();
+    let envoy = |_| {
+        let config = envoy_config(
+            "envoy/global.yaml",
+            &policy,
+            upstream.port(),
+            Some(limiter.port()),
+        );
+        let envoy = Envoy::start(EnvoyOptions::new(config).concurrency(2).log_level("warn"));
+        let port = envoy.listener_port("ingress");
+        (envoy, port)
+    };
+    let ((a, port_a), (b, port_b)) = (envoy(0), envoy(1));
+    let start = Instant::now();
+    let (sa, sb) = tokio::join!(client(port_a, 0), client(port_b, 3));
+    let elapsed = start.elapsed().as_secs_f64();
+    let used = sa.used + sb.used;
+    let offered = sa.offered + sb.offered;
+    let calls = counter(&a, "lease_requests") + counter(&b, "lease_requests");
+    // Each instance runs one request at a time, so at most one request's excess per instance
+    // is still unpaid debt when the run ends.
+    let upper = RATE as f64 * elapsed + BURST as f64 + 2.0 * MOST_EXCESS as f64;
+    let lower = 0.95 * RATE as f64 * elapsed;
+    println!(
+        "settled {used} units in {elapsed:.2} s (allowed [{lower:.0}, {upper:.0}]); A {sa:?}, \
+         B {sb:?}; {calls} lease calls for {offered} requests; refunded {} + {}, debt {} + {}",
+        counter(&a, "units_refunded"),
+        counter(&b, "units_refunded"),
+        counter(&a, "units_debt"),
+        counter(&b, "units_debt"),
+    );
+    assert_eq!(sa.other + sb.other, 0, "only 200 and 429 answers");
+    assert!(
+        sa.denied > 0 && sb.denied > 0,
+        "both instances were over the limit"
+    );
+    assert!(used as f64 <= upper, "overshoot: {used} > {upper:.0}");
+    assert!(used as f64 >= lower, "under-use: {used} < {lower:.0}");
+    assert!(
+        calls * 4 < offered,
+        "{calls} lease calls for {offered} requests"
+    );
+    // Both ways happened, and nothing went past the debt bound.
+    assert!(counter(&a, "units_refunded") + counter(&b, "units_refunded") > 0);
+    assert!(counter(&a, "units_debt") + counter(&b, "units_debt") > 0);
+    assert_eq!(
+        counter(&a, "units_uncharged") + counter(&b, "units_uncharged"),
+        0
+    );
+    // The filters settled exactly what the clients were charged...
+    assert_eq!(
+        counter(&a, "units_settled") + counter(&b, "units_settled"),
+        used
+    );
+    // ...and the limiter has been told, on the callouts the filters make anyway. Units settled
+    // after a worker's last callout wait for its next one: new tenants (one lease callout
+    // each, on fresh connections spread over both workers) bring them.
+    const PROBES: u64 = 16;
+    for i in 0..PROBES {
+        for port in [port_a, port_b] {
+            let r = send(
+                port,
+                RequestSpec::post("/v1/chat/completions", "{}")
+                    .header("x-tenant-id", format!("probe-{i}"))
+                    .usage(1),
+            )
+            .await;
+            assert_eq!(r.status, 200);
+        }
+    }
+    let series = format!("tollgate_limiter_units_settled_total{{policy=\"{POLICY}\"}}");
+    let reported = process::wait_for(
+        "settled units at the limiter",
+        Duration::from_secs(5),
+        || {
+            let reported = prometheus_value(&limiter.metrics(), &series) as u64;
+            (reported >= used).then_some(reported)
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}", limiter.metrics()));
+    assert!(
+        reported <= used + 2 * PROBES,
+        "{reported} reported, {used} settled"
+    );
+}
