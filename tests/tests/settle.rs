@@ -79,6 +79,58 @@ fn shipped_config_embeds_the_llm_policy() {
     );
 }
 
+/// The README's example, as shipped: `envoy/llm.yaml` with its stand-in model server (a
+/// `direct_response` answering 42 tokens). What the README shows is what a client gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_llm_example_is_what_the_readme_shows() {
+    let model_port = tollgate_e2e::free_port();
+    let config = std::fs::read_to_string(paths::workspace_root().join("envoy/llm.yaml"))
+        .unwrap()
+        .replace("port_value: 10000", "port_value: 0")
+        .replace("port_value: 9901", "port_value: 0")
+        .replace("port_value: 10001", &format!("port_value: {model_port}"))
+        .replace(
+            "filename: target/wasm32-wasip1/release/tollgate.wasm",
+            &format!("filename: {}", paths::wasm_path().display()),
+        );
+    let envoy = Envoy::start(
+        EnvoyOptions::new(config)
+            .concurrency(WORKERS)
+            .log_level("warn"),
+    );
+    let port = envoy.listener_port("ingress");
+    let r = send(
+        port,
+        chat("acme")
+            .header("content-type", "application/json")
+            .body(r#"{"model":"m","max_tokens":300}"#),
+    )
+    .await;
+    let readme = std::fs::read_to_string(paths::workspace_root().join("README.md")).unwrap();
+    let shown = [
+        format!("HTTP/1.1 {} OK", r.status),
+        format!(
+            "ratelimit-policy: {}",
+            r.header("ratelimit-policy").unwrap()
+        ),
+        format!("ratelimit: {}", r.header("ratelimit").unwrap()),
+        r.body.trim_end().to_string(),
+    ];
+    let metrics = envoy.stats_prometheus();
+    let lines: Vec<&str> = metrics
+        .lines()
+        .filter(|l| {
+            ["reserved", "settled", "refunded"]
+                .iter()
+                .any(|w| l.starts_with(&format!("tollgate_units_{w}{{")))
+        })
+        .collect();
+    assert_eq!(lines.len(), 3, "{metrics}");
+    for line in shown.iter().map(String::as_str).chain(lines) {
+        assert!(readme.contains(line), "README.md does not show `{line}`");
+    }
+}
+
 /// Rate 1 unit per hour (nothing refills during the test), burst 300; the reservation comes
 /// from `x-estimated-units` (default 100, at most 300), the actual cost from the response
 /// header `x-usage-units`.
@@ -176,8 +228,14 @@ async fn an_excess_is_debt_that_refuses_until_repaid() {
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
     let in_debt = Instant::now();
-    assert_eq!(metric(&envoy, "units_debt", "tokens"), 400);
-    assert_eq!(metric(&envoy, "units_uncharged", "tokens"), 100);
+    // (What refilled between admission and settlement, at 200/s, lets a little more be
+    // charged.)
+    let (debt, uncharged) = (
+        metric(&envoy, "units_debt", "tokens"),
+        metric(&envoy, "units_uncharged", "tokens"),
+    );
+    assert_eq!(debt + uncharged, 500);
+    assert!((400..450).contains(&debt), "{debt} charged");
     // Refused, with a Retry-After that covers the debt: 200 + 100 for the request at 200/s is
     // 1.5 s, said as 2.
     let r = send(
@@ -423,7 +481,7 @@ const IN_FLIGHT: &str = r#"{
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_flight_limits_hold_across_workers_and_every_end_releases() {
     let upstream = MeteredUpstream::start();
-    let (envoy, port) = start(IN_FLIGHT, &upstream, "1s");
+    let (envoy, port) = start(IN_FLIGHT, &upstream, "3s");
     // 60 slow requests at once over 60 connections (spread over the 4 workers): 8 reach the
     // upstream, the other 52 are refused at once.
     let responses = burst(port, 60, 60, |_| chat("acme").delay_ms(2_000)).await;
@@ -450,7 +508,7 @@ async fn in_flight_limits_hold_across_workers_and_every_end_releases() {
     upstream.wait_in_flight(0, WAIT);
     wait_metric(&envoy, "in_flight", "concurrency", 0);
 
-    // Upstream timeouts (the route's 1 s): 504, and the slots come back.
+    // Upstream timeouts (the route's 3 s): 504, and the slots come back.
     let timed_out = burst(port, 8, 8, |_| chat("acme").delay_ms(30_000)).await;
     assert_eq!(statuses(&timed_out).get(&504), Some(&8));
     wait_metric(&envoy, "in_flight", "concurrency", 0);
