@@ -171,6 +171,12 @@ impl Metrics {
     /// Defines every metric (idempotent by name across VMs).
     pub fn define(policies: &Policies) -> Self {
         let per = |what: &str, policy: &str| counter(&format!("tollgate_{what}.policy.{policy}"));
+        let per_gauge = |what: &str, policy: &str| {
+            define(
+                MetricType::Gauge,
+                &format!("tollgate_{what}.policy.{policy}"),
+            )
+        };
         Self {
             policies: policies
                 .policies
@@ -192,10 +198,7 @@ impl Metrics {
                     invalid_policy: per("invalid_policy", &p.name),
                     assignments: per("assignments", &p.name),
                     in_flight_denied: per("in_flight_denied", &p.name),
-                    in_flight: define(
-                        MetricType::Gauge,
-                        &format!("tollgate_in_flight.policy.{}", p.name),
-                    ),
+                    in_flight: per_gauge("in_flight", &p.name),
                     in_flight_expired: per("in_flight_expired", &p.name),
                     units_reserved: per("units_reserved", &p.name),
                     units_settled: per("units_settled", &p.name),

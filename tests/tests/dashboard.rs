@@ -37,6 +37,66 @@ enum Source {
 /// Every metric the dashboard may use: name (as Prometheus sees it), kind, labels, source.
 const METRICS: &[(&str, Kind, &[&str], Source)] = &[
     (
+        "tollgate_units_reserved",
+        Kind::Counter,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
+        "tollgate_units_settled",
+        Kind::Counter,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
+        "tollgate_units_refunded",
+        Kind::Counter,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
+        "tollgate_units_debt",
+        Kind::Counter,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
+        "tollgate_units_uncharged",
+        Kind::Counter,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
+        "tollgate_usage_missing",
+        Kind::Counter,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
+        "tollgate_in_flight",
+        Kind::Gauge,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
+        "tollgate_in_flight_denied",
+        Kind::Counter,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
+        "tollgate_in_flight_expired",
+        Kind::Counter,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
+        "tollgate_limiter_units_settled_total",
+        Kind::Counter,
+        &["policy"],
+        Source::Limiter,
+    ),
+    (
         "tollgate_allowed",
         Kind::Counter,
         &["policy"],
@@ -435,7 +495,9 @@ fn the_metric_list_matches_the_sources() {
             }
             Source::Filter => {
                 let short = name.strip_prefix("tollgate_").unwrap();
-                let defined = if labels.contains("policy") {
+                let defined = if labels.contains("policy") && *kind == Kind::Gauge {
+                    filter.contains(&format!("per_gauge(\"{short}\""))
+                } else if labels.contains("policy") {
                     // per-policy counters: tollgate_<what>.policy.<policy> → {policy}
                     filter.contains(&format!("per(\"{short}\""))
                 } else if *kind == Kind::Histogram {
