@@ -66,6 +66,8 @@ pub struct Ctx<'a, S: SharedData, H: Host> {
 pub struct AdmittedState {
     pub response_headers: Vec<(String, String)>,
     pub admissions: Vec<Admission>,
+    /// A request that waited was let go on (so its body may follow it now).
+    pub resumed: bool,
 }
 
 pub type Admitted = Rc<RefCell<AdmittedState>>;
@@ -666,6 +668,7 @@ impl Worker {
                     let mut admitted = waiter.admitted.borrow_mut();
                     admitted.response_headers = decision.response_headers.clone();
                     admitted.admissions = decision.admissions.clone();
+                    admitted.resumed = true;
                 }
                 ctx.host.resume(context_id);
             }
