@@ -187,3 +187,69 @@ async fn settled_units_stay_within_the_global_budget_under_three_times_the_deman
         "{reported} reported, {used} settled"
     );
 }
+
+/// A global policy that reserves from the request body: the decision comes in a body callback,
+/// may wait there for a lease, and the rest of the body is held until it is made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_estimate_waits_for_its_lease_and_the_whole_body_follows() {
+    let policy = r#"{
+  "policies": [{
+    "name": "by-body",
+    "match": { "routes": ["POST /v1/chat/completions"] },
+    "key": [{ "header": "x-tenant-id" }],
+    "rate": { "units": 1, "per": "1h" },
+    "burst": 1000,
+    "reserve": { "from": { "body": { "field": "max_tokens", "max_bytes": 1024 } },
+                 "default": 100, "max": 1000 },
+    "scope": "global",
+    "on_unavailable": { "mode": "closed" }
+  }],
+  "limiter": { "cluster": "tollgate_limiter", "timeout": "500ms" }
+}"#;
+    let mut limiter = Limiter::start(policy, Store::Memory, &[]);
+    let upstream = tollgate_e2e::Upstream::start();
+    let config = envoy_config(
+        "envoy/global.yaml",
+        policy,
+        upstream.port(),
+        Some(limiter.port()),
+    );
+    let envoy = Envoy::start(EnvoyOptions::new(config).concurrency(2).log_level("warn"));
+    let port = envoy.listener_port("ingress");
+    let chat = |tenant: &str, body: String| {
+        RequestSpec::post("/v1/chat/completions", body).header("x-tenant-id", tenant)
+    };
+    // A small body: read whole, 40 reserved (a lease is asked for and waited on first).
+    let r = send(port, chat("acme", r#"{"max_tokens":40}"#.into())).await;
+    assert_eq!(r.status, 200);
+    // A body far past max_bytes: decided on its first chunks with the default (100), the rest
+    // held while the new tenant's lease is asked for, then all of it reaches the upstream.
+    let big = format!(r#"{{"max_tokens":5,"pad":"{}"}}"#, "p".repeat(300_000));
+    for tenant in ["big-1", "big-2"] {
+        let r = send(port, chat(tenant, big.clone())).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let seen = upstream.last_request().unwrap();
+        assert_eq!(seen.body.len(), big.len());
+        assert!(seen.body == big, "the body arrived changed");
+    }
+    let reserved = prometheus_value(
+        &envoy.stats_prometheus(),
+        "tollgate_units_reserved{policy=\"by-body\"}",
+    ) as u64;
+    assert_eq!(reserved, 40 + 2 * 100);
+    // The limiter gone: refused (closed) in the body callback. The upstream saw the headers
+    // (they go on while the body is read) but none of the body: its stream was reset.
+    limiter.kill();
+    let before = upstream.requests();
+    let r = send(port, chat("big-3", big.clone())).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    if upstream.requests() > before {
+        let seen = upstream.last_request().unwrap();
+        assert_eq!(seen.header("x-tenant-id"), Some("big-3"));
+        assert!(
+            seen.body.is_empty(),
+            "{} bytes of the body reached the upstream",
+            seen.body.len()
+        );
+    }
+}
