@@ -81,6 +81,15 @@ pub(super) struct Moment<'a> {
     pub limiter: Option<&'a LimiterSpec>,
 }
 
+/// What a global policy's step decides against, besides the record.
+#[derive(Clone, Copy)]
+struct Global<'a> {
+    policy: &'a Policy,
+    matched: &'a Matched,
+    settings: &'a LimiterSpec,
+    at: Moment<'a>,
+}
+
 impl Engine {
     /// What one policy's record says. May change the record's housekeeping (expired leases,
     /// the demand estimate, drips, renewals); consumption is applied only if the request passes.
@@ -103,7 +112,13 @@ impl Engine {
         }
         match (policy.scope, at.limiter) {
             (Scope::Global, Some(settings)) => {
-                self.global_step(policy, matched, record, at, settings, scratch)
+                let global = Global {
+                    policy,
+                    matched,
+                    settings,
+                    at,
+                };
+                self.global_step(global, record, scratch)
             }
             _ => bucket_step(
                 &policy.limits,
@@ -116,15 +131,13 @@ impl Engine {
         }
     }
 
-    fn global_step(
-        &self,
-        policy: &Policy,
-        matched: &Matched,
-        record: &mut Record,
-        at: Moment<'_>,
-        settings: &LimiterSpec,
-        scratch: &mut Scratch,
-    ) -> Step {
+    fn global_step(&self, global: Global<'_>, record: &mut Record, scratch: &mut Scratch) -> Step {
+        let Global {
+            policy,
+            matched,
+            settings,
+            at,
+        } = global;
         let (cost, now_ms) = (matched.cost, at.now_ms);
         let lease = &mut record.lease;
         if at.attempt.round == 0 {
@@ -154,7 +167,7 @@ impl Engine {
         }
         global::pay_debt(lease);
         if lease.debt > 0 {
-            return self.in_debt(policy, matched, record, at, settings, scratch);
+            return self.in_debt(global, record, scratch);
         }
         let lease = &mut record.lease;
         if lease.tokens >= cost {
@@ -202,15 +215,13 @@ impl Engine {
     /// receives next has paid the debt (an assignment's drip pays it; else a lease for it is
     /// asked for in the background), and `Retry-After` covers it. Nothing waits: a debt may be
     /// larger than one lease can be.
-    fn in_debt(
-        &self,
-        policy: &Policy,
-        matched: &Matched,
-        record: &mut Record,
-        at: Moment<'_>,
-        settings: &LimiterSpec,
-        scratch: &mut Scratch,
-    ) -> Step {
+    fn in_debt(&self, global: Global<'_>, record: &mut Record, scratch: &mut Scratch) -> Step {
+        let Global {
+            policy,
+            matched,
+            settings,
+            at,
+        } = global;
         let now_ms = at.now_ms;
         let lease = &mut record.lease;
         if at.attempt.deadline_passed || lease.unavailable_until_ms > now_ms {

@@ -258,6 +258,17 @@ pub fn envoy_config(
     format!("{head}{indented}{tail}\n  clusters:\n{clusters}")
 }
 
+/// Asserts that the shipped Envoy config `config` (a path from the workspace root) embeds the
+/// policy document `policy_file` as its plugin configuration (the same JSON value).
+pub fn assert_embeds_policy(config: &str, policy_file: &str) {
+    let read = |path: &str| std::fs::read_to_string(paths::workspace_root().join(path)).unwrap();
+    let (_, block, _) = policy_block(&read(config));
+    let embedded: serde_json::Value = serde_json::from_str(&block)
+        .unwrap_or_else(|e| panic!("{config}: the policy block is not JSON: {e}"));
+    let file: serde_json::Value = serde_json::from_str(&read(policy_file)).unwrap();
+    assert_eq!(embedded, file, "{config} and {policy_file} differ");
+}
+
 /// Splits a config around the policy JSON block: the lines after `value: |` that are
 /// indented deeper than it.
 pub fn policy_block(config: &str) -> (String, String, String) {

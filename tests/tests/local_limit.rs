@@ -14,8 +14,8 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use serde_json::Value;
-use tollgate_e2e::tollgate::{self, envoy_config, policy_block};
-use tollgate_e2e::{burst, paths, send, Envoy, EnvoyOptions, RequestSpec, Upstream};
+use tollgate_e2e::tollgate::{self, envoy_config};
+use tollgate_e2e::{burst, send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
 const WORKERS: u32 = 4;
 
@@ -79,19 +79,7 @@ fn prometheus_value(envoy: &Envoy, metric: &str) -> u64 {
 
 #[test]
 fn shipped_config_embeds_the_payments_policy() {
-    let shipped =
-        std::fs::read_to_string(paths::workspace_root().join("envoy/local.yaml")).unwrap();
-    let (_, block, _) = policy_block(&shipped);
-    assert!(block.contains("payments-per-tenant"));
-    let embedded: Value = serde_json::from_str(&block).unwrap();
-    let file: Value = serde_json::from_str(
-        &std::fs::read_to_string(paths::workspace_root().join("policies/payments.json")).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(
-        embedded, file,
-        "envoy/local.yaml and policies/payments.json differ"
-    );
+    tollgate::assert_embeds_policy("envoy/local.yaml", "policies/payments.json");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

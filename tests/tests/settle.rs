@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tollgate_e2e::tollgate::{envoy_config, policy_block, prometheus_value};
+use tollgate_e2e::tollgate::{assert_embeds_policy, envoy_config, prometheus_value};
 use tollgate_e2e::{
     burst, paths, process, send, try_burst, try_send_streamed, Envoy, EnvoyOptions, MeteredRequest,
     MeteredUpstream, RequestSpec, Response, UsageIn, Wire,
@@ -66,16 +66,12 @@ fn chat(tenant: &str) -> RequestSpec {
 
 #[test]
 fn shipped_config_embeds_the_llm_policy() {
-    let shipped = std::fs::read_to_string(paths::workspace_root().join("envoy/llm.yaml")).unwrap();
-    let (_, block, _) = policy_block(&shipped);
-    let embedded: Value = serde_json::from_str(&block).unwrap();
-    let file: Value = serde_json::from_str(
-        &std::fs::read_to_string(paths::workspace_root().join("policies/llm.json")).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(
-        embedded, file,
-        "envoy/llm.yaml and policies/llm.json differ"
+    assert_embeds_policy("envoy/llm.yaml", "policies/llm.json");
+    let text = std::fs::read_to_string(paths::workspace_root().join("policies/llm.json")).unwrap();
+    let readme = std::fs::read_to_string(paths::workspace_root().join("README.md")).unwrap();
+    assert!(
+        readme.contains(text.trim()),
+        "README.md does not show policies/llm.json as it is"
     );
 }
 
