@@ -74,7 +74,11 @@ impl ResponseUsage {
         header: impl Fn(&str) -> Option<Vec<u8>>,
         end_of_stream: bool,
     ) -> Vec<Known<'_>> {
-        let format = BodyFormat::from_content_type(header("content-type").as_deref());
+        let format = if self.wants_body() {
+            BodyFormat::from_content_type(header("content-type").as_deref())
+        } else {
+            BodyFormat::Json
+        };
         let mut known = Vec::new();
         for entry in self.entries.iter_mut().filter(|e| !e.settled) {
             let usage = match &mut entry.reader {

@@ -3,9 +3,11 @@
 //! [`tollgate_e2e::tollgate::envoy_config`]), so the benchmark measures what we ship: the same
 //! V8 runtime, `failure_policy`, limiter cluster, TLS and stats settings.
 //!
-//! Three edits are applied to the shipped text, each checked to apply exactly once: answer on
+//! Four edits are applied to the shipped text, each checked to apply exactly once: answer on
 //! the ingress route with a `direct_response` instead of the upstream, drop the wasm filter
-//! (the ceiling), or put Envoy's native `local_ratelimit` filter in its place. The mutual-TLS
+//! (the ceiling), put Envoy's native `local_ratelimit` filter in its place, or add the
+//! response header a settling policy reads its actual cost from (`x-usage-units`) to the
+//! ingress route's answers. The mutual-TLS
 //! config's `/etc/tollgate/...` paths and its SDS files are pointed at certificates made for
 //! the run by [`tollgate_e2e::mtls::MtlsSetup`], as in the end-to-end tests.
 
@@ -34,13 +36,37 @@ const NATIVE_LOCAL_RATELIMIT: &str = r#"          - name: envoy.filters.http.loc
                 default_value: { numerator: 100, denominator: HUNDRED }
 "#;
 
+/// The ingress route's fixed 200, answered by Envoy itself (see [`direct_response`]).
+const DIRECT_RESPONSE: &str =
+    "                direct_response: { status: 200, body: { inline_string: \"ok\" } }\n";
+
 /// Replaces the ingress route to the upstream with a fixed 200 answered by Envoy itself.
 pub fn direct_response(yaml: &str) -> Result<String, String> {
-    replace_once(
-        yaml,
-        UPSTREAM_ROUTE,
-        "                direct_response: { status: 200, body: { inline_string: \"ok\" } }\n",
-    )
+    replace_once(yaml, UPSTREAM_ROUTE, DIRECT_RESPONSE)
+}
+
+/// Adds `name: value` to every answer of the ingress route (the upstream's or the
+/// `direct_response`, whichever the config has): the route's `response_headers_to_add`, which
+/// Envoy applies before the response goes back through the filter chain, so the tollgate
+/// filter reads it in its response headers as it would an upstream's.
+pub fn with_response_header(yaml: &str, name: &str, value: &str) -> Result<String, String> {
+    let route = match (
+        yaml.matches(UPSTREAM_ROUTE).count(),
+        yaml.matches(DIRECT_RESPONSE).count(),
+    ) {
+        (1, 0) => UPSTREAM_ROUTE,
+        (0, 1) => DIRECT_RESPONSE,
+        (u, d) => {
+            let found = format!("found {u} and {d}");
+            return Err(format!(
+                "expected one ingress route (to the upstream or a direct_response), {found}"
+            ));
+        }
+    };
+    let header = format!(
+        "                response_headers_to_add: [{{ header: {{ key: {name}, value: \"{value}\" }} }}]\n"
+    );
+    replace_once(yaml, route, &format!("{route}{header}"))
 }
 
 /// Removes the tollgate filter from the ingress filter chain.
@@ -90,7 +116,21 @@ pub struct PolicyDoc<'a> {
     pub lease_max: Option<u64>,
     /// `limiter.lease_horizon` (e.g. `"1s"`); `None` keeps the default.
     pub lease_horizon: Option<&'a str>,
+    /// The route's constant cost (`"cost": {route: n}`); `None` keeps the default of 1.
+    pub cost: Option<u64>,
+    /// `"settle": {"from": {"header": h}}`: the actual cost, read from this response header
+    /// when the response ends, settles the route's constant cost (the reservation).
+    pub settle_header: Option<&'a str>,
 }
+
+/// Scenarios 4s and 5s: the response header the actual cost is read from, the reservation
+/// (the route's constant cost) and the actual cost every answer carries. The actual cost is
+/// below the reservation, so every request is refunded `SETTLE_RESERVED - SETTLE_ACTUAL`
+/// units: each admitted request costs its key `SETTLE_ACTUAL` in the end, as in 4 and 5 (1),
+/// and with the never-denying rate the admitted/denied mix is theirs (everything admitted).
+pub const SETTLE_HEADER: &str = "x-usage-units";
+pub const SETTLE_RESERVED: u64 = 10;
+pub const SETTLE_ACTUAL: u64 = 1;
 
 /// The shipped global config's failure mode.
 pub const SHIPPED_FAILURE: &str =
@@ -108,6 +148,8 @@ impl PolicyDoc<'_> {
             on_unavailable: CLOSED,
             lease_max: None,
             lease_horizon: None,
+            cost: None,
+            settle_header: None,
         }
     }
 
@@ -119,11 +161,31 @@ impl PolicyDoc<'_> {
             on_unavailable: SHIPPED_FAILURE,
             lease_max,
             lease_horizon: None,
+            cost: None,
+            settle_header: None,
+        }
+    }
+
+    /// The same policy reserving [`SETTLE_RESERVED`] (the route's constant cost) and settling
+    /// from the [`SETTLE_HEADER`] response header.
+    pub fn settling(self) -> Self {
+        PolicyDoc {
+            cost: Some(SETTLE_RESERVED),
+            settle_header: Some(SETTLE_HEADER),
+            ..self
         }
     }
 
     pub fn json(&self) -> String {
         let (units, burst) = self.rate;
+        let cost = self
+            .cost
+            .map(|c| format!("\n    \"cost\": {{ \"{}\": {c} }},", self.route))
+            .unwrap_or_default();
+        let settle = self
+            .settle_header
+            .map(|h| format!(",\n    \"settle\": {{ \"from\": {{ \"header\": \"{h}\" }} }}"))
+            .unwrap_or_default();
         let mut limiter = String::new();
         if self.scope == "global" {
             let lease_max = self
@@ -146,10 +208,10 @@ impl PolicyDoc<'_> {
     "key": [{{ "header": "x-tenant-id" }}],
     "on_missing_key": "deny",
     "rate": {{ "units": {units}, "per": "1s" }},
-    "burst": {burst},
+    "burst": {burst},{cost}
     "scope": "{scope}",
     "on_unavailable": {failure},
-    "enforce": true
+    "enforce": true{settle}
   }}]{limiter}
 }}"#,
             route = self.route,
@@ -222,6 +284,30 @@ mod tests {
     }
 
     #[test]
+    fn the_usage_header_goes_on_the_ingress_route() {
+        let line = "                response_headers_to_add: [{ header: { key: x-usage-units, value: \"1\" } }]\n";
+        for name in ["envoy/local.yaml", "envoy/global.yaml"] {
+            let yaml = shipped(name);
+            // On the direct response (what 4s and 5s run) and on the route to the upstream.
+            let direct = direct_response(&yaml).unwrap_or_default();
+            let with = with_response_header(&direct, SETTLE_HEADER, "1").unwrap_or_default();
+            assert!(
+                with.contains(&format!("{DIRECT_RESPONSE}{line}")),
+                "{name}: {with}"
+            );
+            assert_eq!(with.matches("response_headers_to_add").count(), 1, "{name}");
+            let upstream = with_response_header(&yaml, SETTLE_HEADER, "1").unwrap_or_default();
+            assert!(
+                upstream.contains(&format!("{UPSTREAM_ROUTE}{line}")),
+                "{name}"
+            );
+            // Once only: a second edit finds no route it could tell apart.
+            assert!(with_response_header(&format!("{direct}{yaml}"), "k", "v").is_err());
+        }
+        assert!(with_response_header("nothing", "k", "v").is_err());
+    }
+
+    #[test]
     fn the_horizon_variant_differs_from_the_default() {
         let default = default_lease_horizon_ms().unwrap_or(0);
         assert!(default > 0);
@@ -247,6 +333,8 @@ mod tests {
                 on_unavailable: CLOSED,
                 ..PolicyDoc::global(None)
             },
+            PolicyDoc::local(ROUTE).settling(),
+            PolicyDoc::global(None).settling(),
         ] {
             let json = doc.json();
             let parsed = Policies::from_json(json.as_bytes());
@@ -261,5 +349,33 @@ mod tests {
             .ok()
             .and_then(|p| p.limiter.map(|l| l.lease_max));
         assert_eq!(lease_max, Some(1));
+    }
+
+    #[test]
+    fn settling_policies_reserve_the_route_cost_and_settle_from_the_header() {
+        for doc in [
+            PolicyDoc::local(ROUTE).settling(),
+            PolicyDoc::global(None).settling(),
+        ] {
+            let json = doc.json();
+            assert!(
+                json.contains(r#""cost": { "GET /items/{id}": 10 },"#),
+                "{json}"
+            );
+            assert!(
+                json.contains(r#""settle": { "from": { "header": "x-usage-units" } }"#),
+                "{json}"
+            );
+            let parsed = Policies::from_json(json.as_bytes()).ok();
+            let policy = parsed.as_ref().and_then(|p| p.policies.first());
+            assert!(policy.is_some_and(|p| p.settle.is_some() && p.reserve.is_none()));
+        }
+        // The plain ones neither settle nor list a cost (the route costs 1).
+        let plain = PolicyDoc::local(ROUTE).json();
+        assert!(
+            !plain.contains("settle") && !plain.contains("cost"),
+            "{plain}"
+        );
+        const { assert!(SETTLE_ACTUAL < SETTLE_RESERVED, "the bench must refund") };
     }
 }

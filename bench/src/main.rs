@@ -11,18 +11,22 @@
 //!      --tls-client-ca/--tls-allow`; certificates made for the run (`tollgate_e2e::pki`).
 //!      Envoy's connections to the limiter are long-lived: handshakes are counted, not timed
 //!   5h 5 with leases sized for 1 s of demand instead of 250 ms (`limiter.lease_horizon`)
+//!   4s, 5s: 4 and 5 with settlement: the route's cost (10) is the reservation and the
+//!      actual cost is settled from the `x-usage-units` response header (1, added to every
+//!      answer by the route), so every request is refunded 9; reported next to 4 and 5 from
+//!      the same rounds, and the run fails when the filter settled no units
 //!   1u, 5u: 1 and 5 against a real HTTP upstream instead of a direct response
 //!   7  over limit: two Envoys, one global policy, paced demand per key at 3 × the rate split
 //!      evenly, 10 × split evenly and 10 × split 3:1, by a Rust load generator (`paced.rs`:
 //!      per-answer status and latency, which wrk cannot give)
-//! 1–6 and 5t never deny. Every process is killed when the driver exits (the harness ties
-//! children to it), also on Ctrl-C.
+//! 1–6, 4s, 5s and 5t never deny. Every process is killed when the driver exits (the harness
+//! ties children to it), also on Ctrl-C.
 //!
 //! Flags: --rounds N (3) --seconds S (5) --warmup S (2) --connections N (64) --threads N (1)
 //! --concurrency N (Envoy workers, 1) --tenants N (100) --distribution zipf|uniform (zipf)
-//! --only 1,2,5 (scenario ids, e.g. `--only 5,5t`; 7 for the over-limit run) --s7-seconds S
-//! (8, per variant and round: 3 rounds take about 80 s) --out DIR (bench/results) --no-write
-//! (print only).
+//! --only 1,2,5 (scenario ids, e.g. `--only 5,5t` or `--only 4,4s,5,5s`; 7 for the over-limit
+//! run) --s7-seconds S (8, per variant and round: 3 rounds take about 80 s) --out DIR
+//! (bench/results) --no-write (print only).
 
 #![allow(clippy::expect_used, clippy::panic)]
 
@@ -32,7 +36,9 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tollgate_bench::config::{self, PolicyDoc, CLOSED, ROUTE};
+use tollgate_bench::config::{
+    self, PolicyDoc, CLOSED, ROUTE, SETTLE_ACTUAL, SETTLE_HEADER, SETTLE_RESERVED,
+};
 use tollgate_bench::micro;
 use tollgate_bench::paced;
 use tollgate_bench::report::{InstanceRun, Latency, OverLimitRun, Report, Run, Scenario, Setup};
@@ -125,6 +131,8 @@ struct Env {
     port: u16,
     redis: Option<RedisServer>,
     limiter: Option<Limiter>,
+    /// Its policy settles the actual cost (4s, 5s): the run checks that units were settled.
+    settles: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -148,6 +156,13 @@ struct Spec {
 fn specs() -> Vec<Spec> {
     let default_ms = config::default_lease_horizon_ms().expect("the test policy is valid");
     let horizon = config::contrasting_horizon(default_ms);
+    let settling = |base: &str| {
+        format!(
+            "{base} + settlement (reserve {SETTLE_RESERVED}, `{SETTLE_HEADER}: {SETTLE_ACTUAL}` \
+             refunds {})",
+            SETTLE_RESERVED - SETTLE_ACTUAL
+        )
+    };
     vec![
         Spec {
             id: "1",
@@ -182,10 +197,26 @@ fn specs() -> Vec<Spec> {
             mtls: false,
         },
         Spec {
+            id: "4s",
+            title: settling("4"),
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::local(ROUTE).settling()),
+            upstream: false,
+            mtls: false,
+        },
+        Spec {
             id: "5",
             title: "tollgate, one global policy, leases (limiter + Redis)".into(),
             filter: Filter::Tollgate,
             policy: Some(PolicyDoc::global(None)),
+            upstream: false,
+            mtls: false,
+        },
+        Spec {
+            id: "5s",
+            title: settling("5"),
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::global(None).settling()),
             upstream: false,
             mtls: false,
         },
@@ -291,6 +322,16 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
     if !spec.upstream {
         yaml = edit(config::direct_response(&yaml));
     }
+    // Every answer carries the actual cost the settling policy reads (below the reservation:
+    // a refund per request).
+    let settle_header = spec.policy.as_ref().and_then(|p| p.settle_header);
+    if let Some(header) = settle_header {
+        yaml = edit(config::with_response_header(
+            &yaml,
+            header,
+            &SETTLE_ACTUAL.to_string(),
+        ));
+    }
     let envoy = Envoy::start(
         EnvoyOptions::new(yaml)
             .concurrency(concurrency)
@@ -305,6 +346,7 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
         port,
         redis,
         limiter,
+        settles: settle_header.is_some(),
     }
 }
 
@@ -320,7 +362,7 @@ fn load(a: &Args, seconds: f64, seed: u64) -> Load {
     }
 }
 
-fn filter_counters(envoy: &Envoy) -> Vec<(String, u64)> {
+fn filter_counters(envoy: &Envoy, limiter: Option<&Limiter>) -> Vec<(String, u64)> {
     let text = envoy.stats_prometheus();
     let get = |name: &str| {
         prometheus_value(&text, &format!("tollgate_{name}{{policy=\"per-tenant\"}}")) as u64
@@ -363,6 +405,25 @@ fn filter_counters(envoy: &Envoy) -> Vec<(String, u64)> {
             envoy
                 .counter("cluster.tollgate_limiter.ssl.handshake")
                 .unwrap_or(0),
+        ),
+        // Settlement (4s, 5s): units reserved at admission, the actual units settled when the
+        // response ended, what went back, what was charged beyond the reservation, and the
+        // streams that ended without a usable actual cost.
+        ("units_reserved".into(), get("units_reserved")),
+        ("units_settled".into(), get("units_settled")),
+        ("units_refunded".into(), get("units_refunded")),
+        ("units_debt".into(), get("units_debt")),
+        ("usage_missing".into(), get("usage_missing")),
+        // Global policies: the settled units the limiter was told of (they ride on the lease
+        // and return calls, so the last ones of the run may still be on their way).
+        (
+            "limiter_units_settled".into(),
+            limiter.map_or(0, |l| {
+                prometheus_value(
+                    &l.metrics(),
+                    "tollgate_limiter_units_settled_total{policy=\"per-tenant\"}",
+                ) as u64
+            }),
         ),
     ]
 }
@@ -839,9 +900,30 @@ fn main() {
     for (env, sc) in envs.iter().zip(scenarios.iter_mut()) {
         sc.envoy_peak_rss = peak_rss(env.envoy.pid());
         sc.limiter_peak_rss = env.limiter.as_ref().and_then(|l| peak_rss(l.pid()));
-        if env.redis.is_some() {
-            sc.counters = filter_counters(&env.envoy);
+        if env.redis.is_some() || env.settles {
+            sc.counters = filter_counters(&env.envoy, env.limiter.as_ref());
         }
+    }
+    // A settling scenario whose filter settled nothing measured a policy that never settles:
+    // the report says so, and the run fails once the results are written.
+    let unsettled: Vec<String> = envs
+        .iter()
+        .zip(&scenarios)
+        .filter(|(env, sc)| env.settles && sc.counter("units_settled") == 0)
+        .map(|(env, _)| format!("S{}", env.id))
+        .collect();
+    for (env, sc) in envs.iter().zip(&scenarios).filter(|(e, _)| e.settles) {
+        eprintln!(
+            "  S{}: {} units reserved, {} settled, {} refunded, {} charged as debt, {} without usage \
+             (filter); {} settled units reported to the limiter",
+            env.id,
+            sc.counter("units_reserved"),
+            sc.counter("units_settled"),
+            sc.counter("units_refunded"),
+            sc.counter("units_debt"),
+            sc.counter("usage_missing"),
+            sc.counter("limiter_units_settled"),
+        );
     }
     drop(envs);
     drop(upstream);
@@ -873,5 +955,12 @@ fn main() {
             "wrote {} and latest.json",
             a.out.join("latest.md").display()
         );
+    }
+    if !unsettled.is_empty() {
+        eprintln!(
+            "FAILED: {} settled no units (tollgate_units_settled is 0): settlement did not happen",
+            unsettled.join(", ")
+        );
+        std::process::exit(1);
     }
 }

@@ -20,7 +20,7 @@ pub struct Run {
 /// Everything measured for one scenario.
 #[derive(Debug, Clone, Default)]
 pub struct Scenario {
-    /// `1`..`6`, `5h`, `5t`, `1u`, `5u`.
+    /// `1`..`6`, `4s`, `5s`, `5h`, `5t`, `1u`, `5u`.
     pub id: String,
     pub title: String,
     pub runs: Vec<Run>,
@@ -262,6 +262,47 @@ pub struct MtlsComparison {
     pub connections: u64,
 }
 
+/// The scenarios that add settlement, each with the one it adds it to.
+pub const SETTLING: [(&str, &str); 2] = [("4s", "4"), ("5s", "5")];
+
+/// A settling scenario (4s, 5s: the route's cost reserved, the actual cost settled from a
+/// response header) next to the one without settlement (4, 5), each ratio the median of
+/// per-round ratios of runs made in the same rounds; and what the filter settled.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SettleComparison {
+    /// `4s` or `5s`, and `4` or `5`.
+    pub id: String,
+    pub base: String,
+    /// Rounds in which both ran.
+    pub rounds: usize,
+    pub rps: Option<f64>,
+    /// The settling scenario's req/s over the base's in each of those rounds.
+    pub rps_per_round: Vec<f64>,
+    pub p50: Option<f64>,
+    pub p99: Option<f64>,
+    /// CPU per request: Envoy's, and the limiter's plus Redis' (global only).
+    pub envoy_cpu: Option<f64>,
+    pub backend_cpu: Option<f64>,
+    /// The filter's counters over the whole run (warm-up included): requests decided, units
+    /// reserved at admission, settled (the actual cost), refunded, charged beyond the
+    /// reservation, streams that ended without a usable actual cost.
+    pub decided: u64,
+    pub reserved: u64,
+    pub settled: u64,
+    pub refunded: u64,
+    pub debt: u64,
+    pub missing: u64,
+    /// Global only: the settled units the limiter was told of (on the lease calls).
+    pub limiter_settled: Option<u64>,
+}
+
+impl SettleComparison {
+    /// Whether settlement happened at all (`tollgate_units_settled` above 0).
+    pub fn settled_any(&self) -> bool {
+        self.settled > 0
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Report {
     pub setup: Setup,
@@ -448,6 +489,44 @@ impl Report {
         })
     }
 
+    /// Scenario `id` (4s, 5s) next to `base` (4, 5); `None` unless both ran.
+    pub fn settlement(&self, id: &str, base: &str) -> Option<SettleComparison> {
+        let (sb, ss) = (self.scenario(base)?, self.scenario(id)?);
+        let rounds = ss
+            .runs
+            .iter()
+            .filter(|r| sb.runs.iter().any(|b| b.round == r.round))
+            .count();
+        Some(SettleComparison {
+            id: id.into(),
+            base: base.into(),
+            rounds,
+            rps: self.rps_ratio(id, base),
+            rps_per_round: self.per_round(id, base, Measured::rps),
+            p50: self.p50_ratio(id, base),
+            p99: self.p99_ratio(id, base),
+            envoy_cpu: self.cpu_ratio(id, base),
+            backend_cpu: self.backend_cpu_ratio(id, base),
+            decided: ss.counter("decided"),
+            reserved: ss.counter("units_reserved"),
+            settled: ss.counter("units_settled"),
+            refunded: ss.counter("units_refunded"),
+            debt: ss.counter("units_debt"),
+            missing: ss.counter("usage_missing"),
+            limiter_settled: ss
+                .redis_per_1k()
+                .map(|_| ss.counter("limiter_units_settled")),
+        })
+    }
+
+    /// Every settling scenario that ran next to its base, in [`SETTLING`] order.
+    pub fn settlements(&self) -> Vec<SettleComparison> {
+        SETTLING
+            .iter()
+            .filter_map(|(id, base)| self.settlement(id, base))
+            .collect()
+    }
+
     /// The issue's targets: `(what, measured, met)`.
     pub fn targets(&self) -> Vec<(String, String, Option<bool>)> {
         let mut out = Vec::new();
@@ -478,6 +557,21 @@ impl Report {
             }),
             calls.map(|(l, _)| l <= 20.0),
         ));
+        // Settlement costs at most a tenth of the throughput; a run that settled nothing did
+        // not measure it.
+        for (id, base) in SETTLING {
+            let r = self.rps_ratio(id, base);
+            let unsettled = self.settlement(id, base).is_some_and(|c| !c.settled_any());
+            out.push((
+                format!("S{id} ≥ 0.9 × S{base} (req/s)"),
+                if unsettled {
+                    format!("{} (no units settled: settlement did not happen)", ratio(r))
+                } else {
+                    ratio(r)
+                },
+                r.filter(|_| !unsettled).map(|r| r >= 0.9),
+            ));
+        }
         if !self.over_limit.is_empty() {
             out.extend(self.over_limit_targets());
         }
@@ -657,11 +751,12 @@ impl Report {
             }
         }
         if let (Some(cpu4), Some(cpu5)) = (self.cpu_ratio("4", "3"), self.cpu_ratio("5", "3")) {
-            let cpu5t = self
-                .cpu_ratio("5t", "3")
-                .map_or(String::new(), |r| format!(", S5t {r:.2}"));
+            let more: String = ["4s", "5s", "5t"]
+                .iter()
+                .filter_map(|id| self.cpu_ratio(id, "3").map(|r| format!(", S{id} {r:.2}")))
+                .collect();
             md.push_str(&format!(
-                "- Envoy CPU per request relative to S3 (less sensitive to the load generator's share of the cores than req/s): S4 {cpu4:.2}, S5 {cpu5:.2}{cpu5t}.\n"
+                "- Envoy CPU per request relative to S3 (less sensitive to the load generator's share of the cores than req/s): S4 {cpu4:.2}, S5 {cpu5:.2}{more}.\n"
             ));
         }
         if let Some(m) = self.mtls() {
@@ -690,6 +785,54 @@ impl Report {
                 backend = num(m.backend_cpu),
                 handshakes = plural(m.handshakes, "TLS handshake", "TLS handshakes"),
                 connections = plural(m.connections, "connection", "connections"),
+            ));
+        }
+        for c in self.settlements() {
+            let num = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.2}"));
+            let per_round: Vec<String> =
+                c.rps_per_round.iter().map(|r| format!("{r:.2}")).collect();
+            let backend = c.backend_cpu.map_or(String::new(), |r| {
+                format!(", limiter + Redis CPU per request {r:.2}")
+            });
+            let per_request = |units: u64| {
+                ratio(units as f64, c.decided as f64).map_or("–".into(), |u| format!("{u:.1}"))
+            };
+            let limiter = c.limiter_settled.map_or(String::new(), |n| {
+                format!(
+                    "; the limiter was told of {n} settled units (on the existing lease calls; \
+                     the last ones of the run may still have been on their way)"
+                )
+            });
+            let verdict = if c.settled_any() {
+                String::new()
+            } else {
+                " **No units settled (`tollgate_units_settled` is 0): settlement did not \
+                 happen, so these ratios measure a policy that never settles; the run failed.**"
+                    .into()
+            };
+            md.push_str(&format!(
+                "- S{id} (S{base} + settlement: the route's cost reserved, the actual cost settled \
+                 from the response header) relative to S{base}, measured in the same {rounds} \
+                 rounds: req/s {rps} (per round: {per_round}), p50 {p50}, p99 {p99}, Envoy CPU \
+                 per request {cpu}{backend}. The filter settled {settled} units for {decided} \
+                 decided requests (warm-up included; per request {reserved_pr} reserved, \
+                 {settled_pr} settled, {refunded_pr} refunded; {debt} units charged beyond the \
+                 reservation, {missing} responses without usage){limiter}.{verdict}\n",
+                id = c.id,
+                base = c.base,
+                rounds = c.rounds,
+                rps = num(c.rps),
+                per_round = per_round.join(", "),
+                p50 = num(c.p50),
+                p99 = num(c.p99),
+                cpu = num(c.envoy_cpu),
+                settled = c.settled,
+                decided = c.decided,
+                reserved_pr = per_request(c.reserved),
+                settled_pr = per_request(c.settled),
+                refunded_pr = per_request(c.refunded),
+                debt = c.debt,
+                missing = c.missing,
             ));
         }
         if let Some(first) = self.over_limit.first() {
@@ -787,7 +930,7 @@ impl Report {
                     "limiter_and_redis_cpu_us_per_request": sc.cpu_us_per_request().1,
                     "envoy_cpu_ratio_to_s3": if sc.id.ends_with('u') { None } else { self.cpu_ratio(&sc.id, "3") },
                     "ratio_to_s4": if sc.id.ends_with('u') { None } else { self.rps_ratio(&sc.id, "4") },
-                    "ratio_to_s5": if sc.id == "5t" { self.rps_ratio(&sc.id, "5") } else { None },
+                    "ratio_to_s5": if sc.id == "5t" || sc.id == "5s" { self.rps_ratio(&sc.id, "5") } else { None },
                     "redis_fcall_per_1k": sc.redis_per_1k().map(|r| r.0),
                     "redis_all_per_1k": sc.redis_per_1k().map(|r| r.1),
                     "envoy_peak_rss_bytes": sc.envoy_peak_rss,
@@ -897,6 +1040,31 @@ impl Report {
                 "limiter_connections": m.connections,
             })
         });
+        let settlement: Vec<Value> = self
+            .settlements()
+            .iter()
+            .map(|c| {
+                json!({
+                    "id": c.id,
+                    "base": c.base,
+                    "rounds": c.rounds,
+                    "rps_ratio_to_base": c.rps,
+                    "rps_ratio_to_base_per_round": c.rps_per_round,
+                    "p50_ratio_to_base": c.p50,
+                    "p99_ratio_to_base": c.p99,
+                    "envoy_cpu_ratio_to_base": c.envoy_cpu,
+                    "limiter_and_redis_cpu_ratio_to_base": c.backend_cpu,
+                    "decided": c.decided,
+                    "units_reserved": c.reserved,
+                    "units_settled": c.settled,
+                    "units_refunded": c.refunded,
+                    "units_debt": c.debt,
+                    "usage_missing": c.missing,
+                    "limiter_units_settled": c.limiter_settled,
+                    "settled_any": c.settled_any(),
+                })
+            })
+            .collect();
         json!({
             "setup": {
                 "date": s.date,
@@ -913,6 +1081,7 @@ impl Report {
             },
             "scenarios": scenarios,
             "mtls": mtls,
+            "settlement": settlement,
             "over_limit": over_limit,
             "targets": targets,
         })
@@ -973,6 +1142,150 @@ mod tests {
         let md = report.markdown();
         assert!(md.contains("| 4 |"), "{md}");
         assert!(md.contains("S4 ≥ 0.95 × S3 (req/s) | 0.950 | met"), "{md}");
+        // The settling scenarios did not run: their targets are listed, not measured.
+        assert!(
+            md.contains("| S4s ≥ 0.9 × S4 (req/s) | n/a | not measured |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| S5s ≥ 0.9 × S5 (req/s) | n/a | not measured |"),
+            "{md}"
+        );
+        assert!(!md.contains("+ settlement"), "{md}");
+        assert_eq!(report.settlements(), Vec::new());
+    }
+
+    #[test]
+    fn settlement_is_compared_with_its_base_in_the_same_rounds() {
+        let counters = |settled: u64, limiter: u64| {
+            vec![
+                ("decided".into(), 1000),
+                ("units_reserved".into(), 10_000),
+                ("units_settled".into(), settled),
+                ("units_refunded".into(), 9000),
+                ("units_debt".into(), 0),
+                ("usage_missing".into(), 0),
+                ("limiter_units_settled".into(), limiter),
+            ]
+        };
+        let scenario = |id: &str, runs: Vec<Run>, counters: Vec<(String, u64)>| Scenario {
+            id: id.into(),
+            runs,
+            counters,
+            ..Scenario::default()
+        };
+        // 5 and 5s have a limiter and Redis (Redis calls, backend CPU); 4 and 4s do not.
+        let global = |mut r: Run| {
+            r.redis = Some((10, 80));
+            r.backend_cpu_s = Some(r.measured.requests as f64 * 1e-6);
+            r
+        };
+        let mut report = Report {
+            scenarios: vec![
+                scenario("3", vec![run(0, 1000, 100), run(1, 1000, 100)], vec![]),
+                scenario("4", vec![run(0, 1000, 100), run(1, 1000, 100)], vec![]),
+                scenario(
+                    "4s",
+                    vec![run(0, 950, 110), run(1, 970, 100)],
+                    counters(1000, 0),
+                ),
+                scenario(
+                    "5",
+                    vec![global(run(0, 1000, 100)), global(run(1, 800, 100))],
+                    vec![],
+                ),
+                scenario(
+                    "5s",
+                    vec![global(run(0, 800, 120)), global(run(1, 680, 120))],
+                    counters(1000, 990),
+                ),
+            ],
+            ..Report::default()
+        };
+        let c = report.settlements();
+        assert_eq!(c.len(), 2);
+        let (s4, s5) = (&c[0], &c[1]);
+        assert_eq!(
+            (s4.id.as_str(), s4.base.as_str(), s4.rounds),
+            ("4s", "4", 2)
+        );
+        // Per-round ratios 0.95 and 0.97: the median of two is their mean.
+        assert!((s4.rps.unwrap_or(0.0) - 0.96).abs() < 1e-9, "{s4:?}");
+        assert_eq!(s4.rps_per_round.len(), 2);
+        assert!((s4.p99.unwrap_or(0.0) - 1.05).abs() < 1e-9, "{s4:?}");
+        assert_eq!(s4.envoy_cpu, Some(1.0));
+        assert_eq!(s4.backend_cpu, None);
+        assert_eq!(s4.limiter_settled, None);
+        assert!(s4.settled_any());
+        // 0.8 and 0.85.
+        assert!((s5.rps.unwrap_or(0.0) - 0.825).abs() < 1e-9, "{s5:?}");
+        assert_eq!(s5.backend_cpu, Some(1.0));
+        assert_eq!(s5.limiter_settled, Some(990));
+        let md = report.markdown();
+        assert!(md.contains("| 4s |") && md.contains("| 5s |"), "{md}");
+        assert!(
+            md.contains("- S4s (S4 + settlement: the route's cost reserved"),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "relative to S4, measured in the same 2 rounds: req/s 0.96 (per round: 0.95, 0.97)"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("The filter settled 1000 units for 1000 decided requests"),
+            "{md}"
+        );
+        assert!(
+            md.contains("per request 10.0 reserved, 1.0 settled, 9.0 refunded"),
+            "{md}"
+        );
+        assert!(
+            md.contains("limiter + Redis CPU per request 1.00. The filter settled"),
+            "{md}"
+        );
+        assert!(
+            md.contains("the limiter was told of 990 settled units"),
+            "{md}"
+        );
+        assert!(md.contains("S5 1.00, S4s 1.00, S5s 1.00."), "{md}");
+        assert!(
+            md.contains("| S4s ≥ 0.9 × S4 (req/s) | 0.960 | met |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| S5s ≥ 0.9 × S5 (req/s) | 0.825 | **missed** |"),
+            "{md}"
+        );
+        assert!(!md.contains("No units settled"), "{md}");
+        let json = report.json();
+        assert_eq!(json["settlement"][0]["id"], "4s");
+        assert_eq!(json["settlement"][1]["units_settled"], 1000);
+        assert_eq!(json["settlement"][1]["limiter_units_settled"], 990);
+        assert_eq!(
+            json["scenarios"][4]["ratio_to_s5"],
+            json["settlement"][1]["rps_ratio_to_base"]
+        );
+
+        // A run whose filter settled nothing says so, and its target is not met.
+        if let Some(sc) = report.scenarios.iter_mut().find(|s| s.id == "4s") {
+            sc.counters = counters(0, 0);
+        }
+        let md = report.markdown();
+        assert!(
+            md.contains(
+                "**No units settled (`tollgate_units_settled` is 0): settlement did not happen"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("| S4s ≥ 0.9 × S4 (req/s) | 0.960 (no units settled: settlement did not happen) | not measured |"),
+            "{md}"
+        );
+        assert_eq!(report.json()["settlement"][0]["settled_any"], false);
+        report.scenarios.retain(|s| s.id != "5");
+        assert_eq!(report.settlements().len(), 1);
     }
 
     #[test]
