@@ -226,6 +226,58 @@ pub fn give_back(
     }
 }
 
+/// Outcome of a shaped take ([`shape`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Shaped {
+    /// Taken; the request may go on now.
+    Now { remaining: f64 },
+    /// Taken from the tokens still to come: the request goes on after `delay_ms`.
+    After { delay_ms: u64 },
+    /// More than `max_delay` away: nothing taken; enough room comes after `retry_after_ms`.
+    Denied { retry_after_ms: u64 },
+}
+
+/// A token bucket that delays instead of refusing (a leaky-bucket queue, as GCRA): a request
+/// over the rate takes its cost from tokens yet to be refilled, down to `-max_delay × rate`,
+/// and waits until they are there. Requests are thus spaced at `cost / rate`, none waits
+/// longer than `max_delay_ms`, and what would wait longer is refused, taking nothing.
+pub fn shape(
+    limits: &Limits,
+    state: Option<BucketState>,
+    now_ms: u64,
+    cost: u64,
+    max_delay_ms: u64,
+) -> (BucketState, Shaped) {
+    let current = current(limits, state, now_ms);
+    let cost_f = cost as f64;
+    if current.tokens + EPSILON >= cost_f {
+        let next = BucketState {
+            tokens: current.tokens - cost_f,
+            ..current
+        };
+        return (
+            next,
+            Shaped::Now {
+                remaining: next.tokens,
+            },
+        );
+    }
+    let delay_ms = limits.millis_to_refill(cost_f - current.tokens);
+    if delay_ms <= max_delay_ms {
+        let next = BucketState {
+            tokens: current.tokens - cost_f,
+            ..current
+        };
+        return (next, Shaped::After { delay_ms });
+    }
+    (
+        current,
+        Shaped::Denied {
+            retry_after_ms: delay_ms - max_delay_ms,
+        },
+    )
+}
+
 /// What settling a reserved cost against the actual one did to a bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Settled {
@@ -392,6 +444,34 @@ mod tests {
         let (s, _) = try_take(&l, None, 0, 100);
         let (s, d) = settle(&l, Some(s), 0, 100, 120, 0);
         assert_eq!((s.tokens, d.charged, d.uncharged), (0.0, 0, 20));
+    }
+
+    #[test]
+    fn shaping_spaces_requests_at_the_rate_and_bounds_the_wait() {
+        // 10/s, burst 2, at most 350 ms of delay.
+        let l = Limits::new(10, 1_000, 2).unwrap();
+        let mut state = None;
+        let mut delays = Vec::new();
+        for _ in 0..7 {
+            let (next, d) = shape(&l, state, 0, 1, 350);
+            state = Some(next);
+            delays.push(d);
+        }
+        assert!(matches!(delays[0], Shaped::Now { .. }));
+        assert!(matches!(delays[1], Shaped::Now { .. }));
+        let waits: Vec<_> = delays[2..]
+            .iter()
+            .map(|d| match d {
+                Shaped::After { delay_ms } => *delay_ms as i64,
+                Shaped::Denied { retry_after_ms } => -(*retry_after_ms as i64),
+                Shaped::Now { .. } => 0,
+            })
+            .collect();
+        // One every 100 ms up to 350 ms; the next would wait 400 ms: refused, 50 ms too early.
+        assert_eq!(waits, vec![100, 200, 300, -50, -50]);
+        // The refused ones took nothing: 50 ms later one more fits the delay bound.
+        let (_, d) = shape(&l, state, 50, 1, 350);
+        assert_eq!(d, Shaped::After { delay_ms: 350 });
     }
 
     #[test]

@@ -15,3 +15,4 @@ pub mod protocol;
 pub mod response;
 pub mod route;
 pub mod usage;
+pub mod window;

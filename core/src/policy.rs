@@ -10,6 +10,7 @@ use crate::duration::Millis;
 use crate::key::{self, digest_hex, is_valid_policy_name};
 use crate::route::RouteTemplate;
 use crate::usage::FieldPath;
+use crate::window::{Window, MAX_LOG_LIMIT};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashSet};
@@ -42,7 +43,17 @@ pub struct PolicySpec {
     #[serde(default)]
     pub on_missing_key: OnMissingKey,
     pub rate: RateSpec,
+    /// Token bucket: most units at once (required). Windowed algorithms admit `rate.units` per
+    /// `rate.per` and take no burst.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub burst: u64,
+    /// How the limit is counted (default `token_bucket`).
+    #[serde(default)]
+    pub algorithm: AlgorithmName,
+    /// Token bucket only: delay a request over the rate until its turn comes, up to
+    /// `max_delay`, instead of refusing it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<ShapeSpec>,
     /// Cost per route template (as written in `match.routes`); unlisted routes cost 1.
     #[serde(default)]
     pub cost: BTreeMap<String, u64>,
@@ -135,6 +146,30 @@ pub struct SettleSpec {
 
 fn default_true() -> bool {
     true
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlgorithmName {
+    #[default]
+    TokenBucket,
+    FixedWindow,
+    SlidingWindow,
+    SlidingLog,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShapeSpec {
+    /// Longest a request waits for its turn; later turns are refused with 429.
+    pub max_delay: Millis,
+    /// Most requests of one key waiting at once on one Envoy worker (default 64); beyond it, 429.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_waiting: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -448,6 +483,43 @@ pub struct Settle {
     pub max_debt: u64,
 }
 
+/// How a policy counts its limit, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    TokenBucket,
+    FixedWindow(Window),
+    SlidingWindow(Window),
+    SlidingLog(Window),
+}
+
+impl Algorithm {
+    /// The window of a windowed algorithm.
+    pub fn window(&self) -> Option<&Window> {
+        match self {
+            Algorithm::TokenBucket => None,
+            Algorithm::FixedWindow(w) | Algorithm::SlidingWindow(w) | Algorithm::SlidingLog(w) => {
+                Some(w)
+            }
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::FixedWindow(_) => "fixed_window",
+            Algorithm::SlidingWindow(_) => "sliding_window",
+            Algorithm::SlidingLog(_) => "sliding_log",
+        }
+    }
+}
+
+/// A validated `shape`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub max_delay_ms: u64,
+    pub max_waiting: u32,
+}
+
 /// A validated `max_in_flight`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InFlightLimit {
@@ -553,6 +625,8 @@ pub struct Policy {
     pub reserve: Option<Reserve>,
     pub settle: Option<Settle>,
     pub in_flight: Option<InFlightLimit>,
+    pub algorithm: Algorithm,
+    pub shape: Option<Shape>,
 }
 
 /// A request matched by a policy.
@@ -908,13 +982,30 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
     if spec.rate.per.0 == 0 {
         errors.push(name, at("rate.per"), "must be longer than 0ms");
     }
-    if spec.burst == 0 || spec.burst > MAX_BURST {
+    let windowed = spec.algorithm != AlgorithmName::TokenBucket;
+    if windowed {
+        if spec.burst != 0 {
+            errors.push(
+                name,
+                at("burst"),
+                "a windowed algorithm admits `rate.units` per `rate.per`: leave `burst` out",
+            );
+        }
+    } else if spec.burst == 0 || spec.burst > MAX_BURST {
         errors.push(
             name,
             at("burst"),
             format!("must be between 1 and {MAX_BURST}"),
         );
     }
+    // A window's limit is its burst: what may pass at once.
+    let burst = if windowed {
+        spec.rate.units.min(MAX_BURST)
+    } else {
+        spec.burst
+    };
+    let algorithm = compile_algorithm(spec, &at, name, errors);
+    let shape = compile_shape(spec, &at, name, errors);
 
     let (constants, constants_field, default_constant) = match &spec.reserve {
         Some(reserve) => {
@@ -929,7 +1020,7 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         }
         None => (&spec.cost, "cost", 1),
     };
-    let most = spec.reserve.as_ref().map_or(spec.burst, |r| r.max);
+    let most = spec.reserve.as_ref().map_or(burst, |r| r.max);
     let mut route_costs = vec![default_constant; routes.len()];
     for (template, cost) in constants {
         let field = at(&format!("{constants_field}[\"{template}\"]"));
@@ -948,8 +1039,7 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
                     format!("{cost} is more than `reserve.max` ({most})")
                 } else {
                     format!(
-                        "{cost} is more than the burst ({}): such a request could never pass",
-                        spec.burst
+                        "{cost} is more than the burst ({burst}): such a request could never pass"
                     )
                 },
             ),
@@ -963,11 +1053,11 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
     let reserve = spec
         .reserve
         .as_ref()
-        .and_then(|r| compile_reserve(r, spec.burst, &at, name, errors));
+        .and_then(|r| compile_reserve(r, burst, &at, name, errors));
     let settle = spec
         .settle
         .as_ref()
-        .and_then(|s| compile_settle(s, spec.burst, &at, name, errors));
+        .and_then(|s| compile_settle(s, burst, &at, name, errors));
     let in_flight = compile_in_flight(spec, &at, name, errors);
 
     let failure = match compile_failure(&spec.on_unavailable) {
@@ -978,7 +1068,7 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         }
     };
 
-    let limits = Limits::new(spec.rate.units, spec.rate.per.0, spec.burst);
+    let limits = Limits::new(spec.rate.units, spec.rate.per.0, burst);
     if errors.errors.len() > before {
         return None;
     }
@@ -992,7 +1082,7 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         on_missing_key: spec.on_missing_key,
         units: spec.rate.units,
         per_ms: spec.rate.per.0,
-        burst: spec.burst,
+        burst,
         limits: limits?,
         scope: spec.scope,
         failure: failure?,
@@ -1000,6 +1090,102 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         reserve,
         settle,
         in_flight,
+        algorithm: algorithm?,
+        shape,
+    })
+}
+
+const MAX_SHAPE_DELAY_MS: u64 = 30_000;
+const DEFAULT_MAX_WAITING: u32 = 64;
+const MAX_WAITING: u32 = 10_000;
+
+fn compile_algorithm(
+    spec: &PolicySpec,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<Algorithm> {
+    let window = Window::new(spec.rate.units, spec.rate.per.0);
+    let algorithm = match spec.algorithm {
+        AlgorithmName::TokenBucket => return Some(Algorithm::TokenBucket),
+        AlgorithmName::FixedWindow => Algorithm::FixedWindow(window?),
+        AlgorithmName::SlidingWindow => Algorithm::SlidingWindow(window?),
+        AlgorithmName::SlidingLog => {
+            if spec.rate.units > MAX_LOG_LIMIT {
+                errors.push(
+                    name,
+                    at("rate.units"),
+                    format!(
+                        "a sliding log keeps one entry per unit: at most {MAX_LOG_LIMIT} per window \
+                         (use sliding_window for more)"
+                    ),
+                );
+                return None;
+            }
+            Algorithm::SlidingLog(window?)
+        }
+    };
+    for (field, set) in [
+        ("reserve", spec.reserve.is_some()),
+        ("settle", spec.settle.is_some()),
+    ] {
+        if set {
+            errors.push(
+                name,
+                at(field),
+                format!(
+                    "costs settled after the response need the token bucket, not {}",
+                    algorithm.name()
+                ),
+            );
+        }
+    }
+    Some(algorithm)
+}
+
+fn compile_shape(
+    spec: &PolicySpec,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<Shape> {
+    let shape = spec.shape.as_ref()?;
+    if spec.algorithm != AlgorithmName::TokenBucket {
+        errors.push(
+            name,
+            at("shape"),
+            "only the token bucket shapes (delays requests to its rate)",
+        );
+        return None;
+    }
+    if spec.settle.is_some() || spec.reserve.is_some() {
+        errors.push(
+            name,
+            at("shape"),
+            "a shaped policy spaces requests by their cost at admission: not with reserve or settle",
+        );
+        return None;
+    }
+    if shape.max_delay.0 == 0 || shape.max_delay.0 > MAX_SHAPE_DELAY_MS {
+        errors.push(
+            name,
+            at("shape.max_delay"),
+            "must be between 1ms and 30s (requests wait paused in Envoy)",
+        );
+        return None;
+    }
+    let max_waiting = shape.max_waiting.unwrap_or(DEFAULT_MAX_WAITING);
+    if max_waiting == 0 || max_waiting > MAX_WAITING {
+        errors.push(
+            name,
+            at("shape.max_waiting"),
+            format!("must be between 1 and {MAX_WAITING}"),
+        );
+        return None;
+    }
+    Some(Shape {
+        max_delay_ms: shape.max_delay.0,
+        max_waiting,
     })
 }
 
