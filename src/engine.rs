@@ -60,6 +60,9 @@ pub struct Matched {
     /// The estimate is read from the request body, which has not been seen yet: the route's
     /// constant part of it (until then `cost` holds the estimate's default).
     pub from_body: Option<u64>,
+    /// A shaped policy may delay the request (its worker has room for one more waiting
+    /// request of the key); set by the glue before each decision.
+    pub may_wait: bool,
 }
 
 /// Where an admitted request's cost was taken from: where its settlement goes.
@@ -169,6 +172,10 @@ pub struct Decision {
     pub admissions: Vec<Admission>,
     /// In-flight slots that expired without being released, per policy.
     pub slots_expired: Vec<(usize, u64)>,
+    /// With [`Verdict::Continue`]: a shaped request goes on only after this long (the
+    /// policies that delay it in `delayed`).
+    pub delay_ms: u64,
+    pub delayed: Vec<usize>,
 }
 
 impl Decision {
@@ -185,6 +192,8 @@ impl Decision {
             waiting_for: Vec::new(),
             admissions: Vec::new(),
             slots_expired: Vec::new(),
+            delay_ms: 0,
+            delayed: Vec::new(),
         }
     }
 }
@@ -336,3 +345,6 @@ mod tests;
 
 #[cfg(test)]
 mod settle_tests;
+
+#[cfg(test)]
+mod algorithm_tests;

@@ -10,7 +10,7 @@ use crate::request::{RequestFacts, RequestSource};
 use crate::response_usage::ResponseUsage;
 use crate::shared::{HostSharedData, SharedData, WriteError};
 use crate::table::SlotTable;
-use crate::worker::{Admitted, Ctx, Host, Worker};
+use crate::worker::{shaped_ids, Admitted, Ctx, Host, Worker};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
@@ -29,6 +29,8 @@ struct Configured {
     metrics: Metrics,
     worker: RefCell<Worker>,
     queue: Option<u32>,
+    /// The root context of this VM (whose tick wakes shaped requests).
+    root_id: u32,
 }
 
 impl Configured {
@@ -92,12 +94,20 @@ impl Root {
             metrics,
             worker: RefCell::new(Worker::new(instance, worker_index)),
             queue,
+            root_id: self.context_id,
         })
     }
 
     fn host(&self, configured: &Configured) -> RootHost {
+        configured.root_host()
+    }
+}
+
+impl Configured {
+    fn root_host(&self) -> RootHost {
+        let configured = self;
         RootHost {
-            root_id: self.context_id,
+            root_id: configured.root_id,
             cluster: configured
                 .engine
                 .limiter()
@@ -334,9 +344,12 @@ impl Http {
     }
 
     /// Decides a plan whose costs are known, and acts on the verdict.
-    fn admit(&mut self, configured: &Configured, plan: Plan) -> Action {
+    fn admit(&mut self, configured: &Configured, mut plan: Plan) -> Action {
         let engine = &configured.engine;
         let now = now_ms();
+        if let Ok(worker) = configured.worker.try_borrow() {
+            worker.mark_room(engine, &mut plan);
+        }
         let mut decision = engine.decide(&plan, &HostSharedData, now, Attempt::default());
         if decision.verdict == Verdict::Wait
             && !self.start_waiting(configured, &plan, &decision, now)
@@ -372,9 +385,30 @@ impl Http {
                 }
             }
             Verdict::Continue => {
-                let mut admitted = self.admitted.borrow_mut();
-                admitted.response_headers = decision.response_headers;
-                admitted.admissions = decision.admissions;
+                {
+                    let mut admitted = self.admitted.borrow_mut();
+                    admitted.response_headers = decision.response_headers;
+                    admitted.admissions = decision.admissions;
+                }
+                if decision.delay_ms > 0 {
+                    // A shaped request: its turn comes later; the root's tick resumes it.
+                    let host = configured.root_host();
+                    let slept = configured.worker.try_borrow_mut().is_ok_and(|mut worker| {
+                        let shaped = shaped_ids(engine, &plan);
+                        let admitted = self.admitted.clone();
+                        worker.sleep(
+                            self.context_id,
+                            now + decision.delay_ms,
+                            shaped,
+                            admitted,
+                            &host,
+                        )
+                    });
+                    if slept {
+                        self.held = true;
+                        return Action::Pause;
+                    }
+                }
                 Action::Continue
             }
         }

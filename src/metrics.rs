@@ -110,6 +110,7 @@ struct PolicyMetrics {
     units_debt: Option<u32>,
     units_uncharged: Option<u32>,
     usage_missing: Option<u32>,
+    delayed: Option<u32>,
 }
 
 /// Metric ids of one VM (ids are per VM; the stats they name are shared by all workers).
@@ -206,6 +207,7 @@ impl Metrics {
                     units_debt: per("units_debt", &p.name),
                     units_uncharged: per("units_uncharged", &p.name),
                     usage_missing: per("usage_missing", &p.name),
+                    delayed: per("delayed", &p.name),
                 })
                 .collect(),
             table_full: counter("tollgate_local_table_full"),
@@ -247,6 +249,11 @@ impl Metrics {
             bump(c.units_reserved, admission.reserved);
             if admission.slot.is_some() {
                 gauge(c.in_flight, 1);
+            }
+        }
+        for index in &decision.delayed {
+            if let Some(c) = self.policies.get(*index) {
+                bump(c.delayed, 1);
             }
         }
         for (index, expired) in &decision.slots_expired {

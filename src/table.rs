@@ -55,6 +55,7 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use tollgate_core::bucket::BucketState;
 use tollgate_core::in_flight::{Slots, EPOCHS};
+use tollgate_core::window::{Counters, Log};
 
 /// Slots per group: the slots under one CAS stamp.
 pub const GROUP_SLOTS: usize = 4;
@@ -64,7 +65,7 @@ pub const PROBE_GROUPS: usize = 4;
 /// Attempts at a CAS transaction before giving up with [`TableError::Contended`].
 pub const MAX_ATTEMPTS: u32 = 8;
 /// Version tag of the record encoding; other tags read as empty.
-const TAG_RECORD: u8 = 6;
+const TAG_RECORD: u8 = 7;
 /// Version tag of a group of slots.
 const TAG_GROUP: u8 = 3;
 
@@ -136,6 +137,10 @@ pub struct Record {
     pub lease: Lease,
     /// The key's requests in flight on this instance (`max_in_flight`).
     pub in_flight: Slots,
+    /// Fixed window / sliding window counters (local windowed policies).
+    pub counters: Option<Counters>,
+    /// Sliding log (local `sliding_log` policies; at most `MAX_LOG_LIMIT` entries).
+    pub log: Option<Log>,
     /// From this time the record equals a fresh one, so its slot may go to another key.
     pub evictable_at_ms: u64,
 }
@@ -147,6 +152,8 @@ impl Record {
             bucket: None,
             lease: Lease::default(),
             in_flight: Slots::default(),
+            counters: None,
+            log: None,
             evictable_at_ms: 0,
         }
     }
@@ -164,6 +171,10 @@ const FIXED_BYTES: usize = 1 + 16 + LEASE_FIELDS * 8 + SLOTS_BYTES + 8;
 const HAS_BUCKET: u8 = 1;
 const HAS_LEASE: u8 = 2;
 const HAS_SLOTS: u8 = 4;
+const HAS_COUNTERS: u8 = 8;
+const HAS_LOG: u8 = 16;
+/// Bytes of window counters.
+const COUNTERS_BYTES: usize = 24;
 
 fn encode(record: &Record) -> Vec<u8> {
     let id = record.id.as_bytes();
@@ -186,6 +197,12 @@ fn encode(record: &Record) -> Vec<u8> {
     if has_slots {
         flags |= HAS_SLOTS;
     }
+    if record.counters.is_some() {
+        flags |= HAS_COUNTERS;
+    }
+    if record.log.is_some() {
+        flags |= HAS_LOG;
+    }
     out.push(flags);
     if let Some(bucket) = record.bucket {
         out.extend_from_slice(&bucket.tokens.to_le_bytes());
@@ -198,6 +215,20 @@ fn encode(record: &Record) -> Vec<u8> {
         out.extend_from_slice(&record.in_flight.epoch.to_le_bytes());
         for count in record.in_flight.counts {
             out.extend_from_slice(&count.to_le_bytes());
+        }
+    }
+    if let Some(c) = record.counters {
+        for value in [c.window, c.count, c.previous] {
+            out.extend_from_slice(&value.to_le_bytes());
+        }
+    }
+    if let Some(log) = &record.log {
+        // At most MAX_LOG_LIMIT entries (the policy's limit bounds it).
+        let len = u16::try_from(log.times.len()).unwrap_or(u16::MAX);
+        out.extend_from_slice(&log.seen_ms.to_le_bytes());
+        out.extend_from_slice(&len.to_le_bytes());
+        for t in log.times.iter().take(usize::from(len)) {
+            out.extend_from_slice(&t.to_le_bytes());
         }
     }
     out.extend_from_slice(&record.evictable_at_ms.to_le_bytes());
@@ -256,8 +287,21 @@ fn decode(bytes: &[u8]) -> Option<Record> {
     } else {
         0
     };
-    if flags & !(HAS_BUCKET | HAS_LEASE | HAS_SLOTS) != 0
-        || fixed.len() != (bucket_words + lease_words + 1) * 8 + slots_bytes
+    let counters_bytes = if flags & HAS_COUNTERS != 0 {
+        COUNTERS_BYTES
+    } else {
+        0
+    };
+    let head = (bucket_words + lease_words) * 8 + slots_bytes + counters_bytes;
+    let log_bytes = if flags & HAS_LOG != 0 {
+        let at = head + 8;
+        let len = u16::from_le_bytes(fixed.get(at..at + 2)?.try_into().ok()?);
+        10 + usize::from(len) * 8
+    } else {
+        0
+    };
+    if flags & !(HAS_BUCKET | HAS_LEASE | HAS_SLOTS | HAS_COUNTERS | HAS_LOG) != 0
+        || fixed.len() != head + log_bytes + 8
     {
         return None;
     }
@@ -282,12 +326,42 @@ fn decode(bytes: &[u8]) -> Option<Record> {
     } else {
         Slots::default()
     };
-    let last = fixed.get(slots_at + slots_bytes..)?;
+    let counters_at = slots_at + slots_bytes;
+    let counters = if counters_bytes > 0 {
+        let word = |i: usize| -> Option<u64> {
+            let at = counters_at + i * 8;
+            Some(u64::from_le_bytes(fixed.get(at..at + 8)?.try_into().ok()?))
+        };
+        Some(Counters {
+            window: word(0)?,
+            count: word(1)?,
+            previous: word(2)?,
+        })
+    } else {
+        None
+    };
+    let log_at = counters_at + counters_bytes;
+    let log = if log_bytes > 0 {
+        let bytes = fixed.get(log_at..log_at + log_bytes)?;
+        let seen_ms = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+        let times = bytes
+            .get(10..)?
+            .chunks_exact(8)
+            .map(|c| <[u8; 8]>::try_from(c).map(u64::from_le_bytes))
+            .collect::<Result<Vec<u64>, _>>()
+            .ok()?;
+        Some(Log { times, seen_ms })
+    } else {
+        None
+    };
+    let last = fixed.get(log_at + log_bytes..)?;
     Some(Record {
         id,
         bucket,
         lease,
         in_flight,
+        counters,
+        log,
         evictable_at_ms: u64::from_le_bytes(last.try_into().ok()?),
     })
 }

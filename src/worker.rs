@@ -72,6 +72,14 @@ pub struct AdmittedState {
 
 pub type Admitted = Rc<RefCell<AdmittedState>>;
 
+/// A shaped request waiting for its turn.
+struct Sleeper {
+    wake_at_ms: u64,
+    /// The shaped policies' bucket ids (the per-key bound counts these).
+    bucket_ids: Vec<String>,
+    admitted: Admitted,
+}
+
 struct Waiter {
     plan: Plan,
     deadline_ms: u64,
@@ -120,6 +128,8 @@ pub struct Worker {
     unsettled: HashMap<String, (u64, String)>,
     callouts: HashMap<u32, Callout>,
     waiters: HashMap<u32, Waiter>,
+    /// Shaped requests paused until their turn, by context.
+    sleepers: HashMap<u32, Sleeper>,
     ticking: bool,
     /// Units of finished requests per policy (index), not yet reported to the limiter: they
     /// go with the next lease or return callout.
@@ -139,6 +149,7 @@ impl Worker {
             unsettled: HashMap::new(),
             callouts: HashMap::new(),
             waiters: HashMap::new(),
+            sleepers: HashMap::new(),
             ticking: false,
             settled: Vec::new(),
         }
@@ -212,6 +223,69 @@ impl Worker {
     /// A request ended (answered, reset or done): forget it.
     pub fn forget(&mut self, context_id: u32) {
         self.waiters.remove(&context_id);
+        self.sleepers.remove(&context_id);
+    }
+
+    /// Shaped requests of `bucket_id` waiting for their turn on this worker.
+    pub fn sleeping(&self, bucket_id: &str) -> usize {
+        self.sleepers
+            .values()
+            .filter(|s| s.bucket_ids.iter().any(|b| b == bucket_id))
+            .count()
+    }
+
+    /// Pauses an admitted, shaped request until `wake_at_ms` (the root's tick resumes it);
+    /// `false` when too many requests are paused already.
+    pub fn sleep(
+        &mut self,
+        context_id: u32,
+        wake_at_ms: u64,
+        bucket_ids: Vec<String>,
+        admitted: Admitted,
+        host: &impl Host,
+    ) -> bool {
+        if self.sleepers.len() + self.waiters.len() >= MAX_WAITERS {
+            return false;
+        }
+        self.sleepers.insert(
+            context_id,
+            Sleeper {
+                wake_at_ms,
+                bucket_ids,
+                admitted,
+            },
+        );
+        self.update_tick(host);
+        true
+    }
+
+    /// The plan's shaped policies may delay only while the worker has room for one more
+    /// waiting request of their key.
+    pub fn mark_room(&self, engine: &Engine, plan: &mut Plan) {
+        for m in plan.enforced.iter_mut() {
+            if let Some(shape) = engine.policy(m.index).and_then(|p| p.shape) {
+                m.may_wait = self.sleeping(&m.bucket_id) < shape.max_waiting as usize;
+            }
+        }
+    }
+
+    /// Resumes the shaped requests whose turn has come, earliest first.
+    fn wake_sleepers(&mut self, host: &impl Host, now_ms: u64) {
+        let mut due: Vec<(u64, u32)> = self
+            .sleepers
+            .iter()
+            .filter(|(_, s)| s.wake_at_ms <= now_ms)
+            .map(|(id, s)| (s.wake_at_ms, *id))
+            .collect();
+        due.sort_unstable();
+        for (_, context_id) in due {
+            if let Some(sleeper) = self.sleepers.remove(&context_id) {
+                if let Ok(mut admitted) = sleeper.admitted.try_borrow_mut() {
+                    admitted.resumed = true;
+                }
+                host.resume(context_id);
+            }
+        }
     }
 
     pub fn waiting(&self) -> usize {
@@ -670,7 +744,18 @@ impl Worker {
                     admitted.admissions = decision.admissions.clone();
                     admitted.resumed = true;
                 }
-                ctx.host.resume(context_id);
+                let shaped = shaped_ids(ctx.engine, &waiter.plan);
+                if decision.delay_ms == 0
+                    || !self.sleep(
+                        context_id,
+                        ctx.now_ms + decision.delay_ms,
+                        shaped,
+                        waiter.admitted.clone(),
+                        ctx.host,
+                    )
+                {
+                    ctx.host.resume(context_id);
+                }
             }
             Verdict::Reply(reply) => {
                 ctx.metrics.record(&decision);
@@ -683,6 +768,7 @@ impl Worker {
     /// requests waiting for an answer another worker asked for are decided again (that answer
     /// lands in the shared table, not on this worker).
     pub fn tick<S: SharedData, H: Host>(&mut self, ctx: &Ctx<'_, S, H>) {
+        self.wake_sleepers(ctx.host, ctx.now_ms);
         let late: Vec<u32> = self
             .waiters
             .iter()
@@ -708,12 +794,21 @@ impl Worker {
     }
 
     fn update_tick(&mut self, host: &impl Host) {
-        let want = !self.waiters.is_empty();
+        let want = !self.waiters.is_empty() || !self.sleepers.is_empty();
         if want != self.ticking {
             host.set_tick(if want { TICK_MS } else { 0 });
             self.ticking = want;
         }
     }
+}
+
+/// The bucket ids of a plan's shaped policies.
+pub fn shaped_ids(engine: &Engine, plan: &Plan) -> Vec<String> {
+    plan.enforced
+        .iter()
+        .filter(|m| engine.policy(m.index).is_some_and(|p| p.shape.is_some()))
+        .map(|m| m.bucket_id.clone())
+        .collect()
 }
 
 /// Lease requests in batches the limiter accepts.

@@ -12,7 +12,7 @@ use crate::shared::SharedData;
 use crate::table::{Record, Txn};
 use std::cell::RefCell;
 use tollgate_core::bucket::BucketState;
-use tollgate_core::policy::{FailureMode, Policy, Terminal};
+use tollgate_core::policy::{Algorithm, FailureMode, Policy, Terminal};
 use tollgate_core::response::{self, PolicyStatus};
 
 impl Engine {
@@ -56,7 +56,7 @@ impl Engine {
                     .iter()
                     .map(|s| match s {
                         Step::Allow { spend, .. } if matches!(verdict.0, Verdict::Continue) => {
-                            *spend
+                            spend.clone()
                         }
                         _ => Spend::Nothing,
                     })
@@ -103,6 +103,22 @@ impl Engine {
                                 tokens: (state.tokens + taken.max(0.0)).min(limits.capacity()),
                                 ..state
                             });
+                        }
+                        Spend::Counters(counted, cost) => {
+                            if let Some(c) = current.counters.as_mut() {
+                                if c.window == counted.window {
+                                    c.count = c.count.saturating_sub(*cost);
+                                }
+                            }
+                        }
+                        Spend::Log(logged, cost) => {
+                            if let Some(log) = current.log.as_mut() {
+                                for _ in 0..*cost {
+                                    if log.times.last() == Some(&logged.seen_ms) {
+                                        log.times.pop();
+                                    }
+                                }
+                            }
                         }
                         Spend::Nothing => {}
                     }
@@ -253,13 +269,18 @@ impl Engine {
                 outcome,
                 remaining,
                 reset_ms,
+                delay_ms,
             } = step
             {
-                apply_spend(*spend, record);
+                apply_spend(spend, record);
                 if matches!(spend, Spend::Lease(_)) {
                     self.refill_if_low(m, policy, record, now_ms, scratch);
                 }
-                admit(m, policy, *spend, record, now_ms, scratch);
+                admit(m, policy, spend, record, now_ms, scratch);
+                if *delay_ms > 0 {
+                    scratch.delay_ms = scratch.delay_ms.max(*delay_ms);
+                    scratch.delayed.push(m.index);
+                }
                 outcomes.push((m.index, *outcome));
                 statuses.push(status(policy, *remaining, *reset_ms));
             }
@@ -301,11 +322,13 @@ impl Engine {
                 let step = self.step(policy, matched, record, at, &mut scratch);
                 let outcome = match step {
                     Step::Allow { spend, outcome, .. } => {
-                        apply_spend(spend, record);
+                        apply_spend(&spend, record);
                         if matches!(spend, Spend::Lease(_)) {
                             self.refill_if_low(matched, policy, record, now_ms, &mut scratch);
                         }
-                        admit(matched, policy, spend, record, now_ms, &mut scratch);
+                        admit(matched, policy, &spend, record, now_ms, &mut scratch);
+                        // Shadow never delays: a shaped shadow policy only counts.
+                        scratch.delay_ms = 0;
                         outcome
                     }
                     Step::Deny { .. } | Step::Busy => Outcome::ShadowDenied,
@@ -343,10 +366,12 @@ impl Engine {
     }
 }
 
-fn apply_spend(spend: Spend, record: &mut Record) {
+fn apply_spend(spend: &Spend, record: &mut Record) {
     match spend {
-        Spend::Bucket(state) => record.bucket = Some(state),
-        Spend::Lease(cost) => record.lease.tokens = record.lease.tokens.saturating_sub(cost),
+        Spend::Bucket(state) => record.bucket = Some(*state),
+        Spend::Lease(cost) => record.lease.tokens = record.lease.tokens.saturating_sub(*cost),
+        Spend::Counters(counters, _) => record.counters = Some(*counters),
+        Spend::Log(log, _) => record.log = Some(log.clone()),
         Spend::Nothing => {}
     }
 }
@@ -356,7 +381,7 @@ fn apply_spend(spend: Spend, record: &mut Record) {
 fn admit(
     matched: &Matched,
     policy: &Policy,
-    spend: Spend,
+    spend: &Spend,
     record: &mut Record,
     now_ms: u64,
     scratch: &mut Scratch,
@@ -372,9 +397,10 @@ fn admit(
         bucket_id: matched.bucket_id.clone(),
         reserved: matched.cost,
         spent: match spend {
-            Spend::Nothing => Spent::Nothing,
             Spend::Bucket(_) => Spent::Bucket,
             Spend::Lease(_) => Spent::Lease,
+            // Windows do not settle (validation refuses `settle` with them).
+            Spend::Nothing | Spend::Counters(..) | Spend::Log(..) => Spent::Nothing,
         },
         slot,
     });
@@ -400,9 +426,22 @@ pub(super) fn mark_evictable(record: &mut Record, policy: &Policy, now_ms: u64) 
     let slots_until = policy
         .in_flight
         .map_or(0, |limit| record.in_flight.busy_until_ms(limit.timeout_ms));
+    let window = policy.algorithm.window();
+    let sliding = matches!(policy.algorithm, Algorithm::SlidingWindow(_));
+    let counters_until = record
+        .counters
+        .zip(window)
+        .map_or(0, |(c, w)| c.idle_at_ms(w, sliding));
+    let log_until = record
+        .log
+        .as_ref()
+        .zip(window)
+        .map_or(0, |(log, w)| log.idle_at_ms(w));
     record.evictable_at_ms = bucket_full_at
         .max(debt_until)
         .max(slots_until)
+        .max(counters_until)
+        .max(log_until)
         .max(lease_live)
         .max(lease.pending_until_ms)
         .max(lease.denied_until_ms)

@@ -44,6 +44,7 @@ impl Engine {
                 key,
                 cost,
                 from_body,
+                may_wait: true,
             };
             if policy.enforce {
                 plan.enforced.push(matched);

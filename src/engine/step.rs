@@ -13,8 +13,11 @@
 use super::{Admission, Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, ReturnNeed};
 use crate::global::{self, DEADLINE_MARGIN_MS};
 use crate::table::{Lease, Record};
-use tollgate_core::bucket::{try_take, BucketState, Decision as BucketDecision, Limits};
-use tollgate_core::policy::{FailureMode, LimiterSpec, Policy, Scope, Terminal};
+use tollgate_core::bucket::{
+    self, try_take, BucketState, Decision as BucketDecision, Limits, Shaped,
+};
+use tollgate_core::policy::{Algorithm, FailureMode, LimiterSpec, Policy, Scope, Terminal};
+use tollgate_core::window::{self, CounterKind, Counters, Log};
 
 /// What one policy's record says about the request.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,6 +27,8 @@ pub(super) enum Step {
         outcome: Outcome,
         remaining: f64,
         reset_ms: u64,
+        /// A shaped request's wait for its turn (0: go on now).
+        delay_ms: u64,
     },
     Deny {
         outcome: Outcome,
@@ -44,11 +49,15 @@ pub(super) enum Step {
     },
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(super) enum Spend {
     Nothing,
     Bucket(BucketState),
     Lease(u64),
+    /// A fixed or sliding window's counters after the cost was counted.
+    Counters(Counters, u64),
+    /// A sliding log after the cost was logged.
+    Log(Log, u64),
 }
 
 /// Housekeeping collected while deciding (kept only from the decision that committed).
@@ -60,6 +69,9 @@ pub(super) struct Scratch {
     pub waiting_for: Vec<String>,
     pub admissions: Vec<Admission>,
     pub slots_expired: Vec<(usize, u64)>,
+    /// The longest wait of a shaped admission, and the policies that delayed it.
+    pub delay_ms: u64,
+    pub delayed: Vec<usize>,
 }
 
 impl Scratch {
@@ -70,6 +82,8 @@ impl Scratch {
         decision.waiting_for.extend(self.waiting_for);
         decision.admissions.extend(self.admissions);
         decision.slots_expired.extend(self.slots_expired);
+        decision.delay_ms = decision.delay_ms.max(self.delay_ms);
+        decision.delayed.extend(self.delayed);
     }
 }
 
@@ -120,14 +134,7 @@ impl Engine {
                 };
                 self.global_step(global, record, scratch)
             }
-            _ => bucket_step(
-                &policy.limits,
-                record.bucket,
-                at.now_ms,
-                matched.cost,
-                Outcome::Allowed,
-                Outcome::Denied,
-            ),
+            _ => local_step(policy, matched, record, at.now_ms),
         }
     }
 
@@ -179,6 +186,7 @@ impl Engine {
                 reset_ms: policy
                     .limits
                     .millis_to_refill(policy.limits.capacity() - left),
+                delay_ms: 0,
             };
         }
         if global::assigned(lease, now_ms) {
@@ -264,6 +272,7 @@ impl Engine {
             outcome: Outcome::FailOpen,
             remaining: 0.0,
             reset_ms: 0,
+            delay_ms: 0,
         };
         match policy.failure {
             FailureMode::Open => admit,
@@ -359,6 +368,7 @@ pub(super) fn bucket_step(
             outcome: allowed,
             remaining,
             reset_ms: state.full_at_ms(limits).saturating_sub(now_ms),
+            delay_ms: 0,
         },
         BucketDecision::Denied {
             retry_after_ms,
@@ -368,6 +378,94 @@ pub(super) fn bucket_step(
             remaining,
             retry_ms: retry_after_ms,
         },
+    }
+}
+
+/// The local stage by the policy's algorithm: a token bucket (shaped: a request over the rate
+/// waits for its turn, up to `max_delay`, while the worker has room for one more waiting
+/// request of the key), a fixed or sliding window, a sliding log.
+fn local_step(policy: &Policy, matched: &Matched, record: &Record, now_ms: u64) -> Step {
+    let cost = matched.cost;
+    let deny = |decision: BucketDecision| match decision {
+        BucketDecision::Denied {
+            retry_after_ms,
+            remaining,
+        } => Some(Step::Deny {
+            outcome: Outcome::Denied,
+            remaining,
+            retry_ms: retry_after_ms,
+        }),
+        BucketDecision::Allowed { .. } => None,
+    };
+    let allow = |spend: Spend, remaining: f64, reset_ms: u64| Step::Allow {
+        spend,
+        outcome: Outcome::Allowed,
+        remaining,
+        reset_ms,
+        delay_ms: 0,
+    };
+    match policy.algorithm {
+        Algorithm::TokenBucket => match policy.shape {
+            Some(shape) if matched.may_wait => {
+                let limits = &policy.limits;
+                match bucket::shape(limits, record.bucket, now_ms, cost, shape.max_delay_ms) {
+                    (state, Shaped::Now { remaining }) => allow(
+                        Spend::Bucket(state),
+                        remaining,
+                        state.full_at_ms(limits).saturating_sub(now_ms),
+                    ),
+                    (state, Shaped::After { delay_ms }) => Step::Allow {
+                        spend: Spend::Bucket(state),
+                        outcome: Outcome::Allowed,
+                        remaining: 0.0,
+                        reset_ms: state.full_at_ms(limits).saturating_sub(now_ms),
+                        delay_ms,
+                    },
+                    (_, Shaped::Denied { retry_after_ms }) => Step::Deny {
+                        outcome: Outcome::Denied,
+                        remaining: 0.0,
+                        retry_ms: retry_after_ms,
+                    },
+                }
+            }
+            _ => bucket_step(
+                &policy.limits,
+                record.bucket,
+                now_ms,
+                cost,
+                Outcome::Allowed,
+                Outcome::Denied,
+            ),
+        },
+        Algorithm::FixedWindow(w) | Algorithm::SlidingWindow(w) => {
+            let kind = match policy.algorithm {
+                Algorithm::SlidingWindow(_) => CounterKind::Sliding,
+                _ => CounterKind::Fixed,
+            };
+            let (counters, decision) = window::take(kind, &w, record.counters, now_ms, cost);
+            match (deny(decision), decision) {
+                (Some(step), _) => step,
+                (None, BucketDecision::Allowed { remaining }) => allow(
+                    Spend::Counters(counters, cost),
+                    remaining,
+                    w.end_ms(counters.window).saturating_sub(now_ms),
+                ),
+                (None, _) => Step::Refuse,
+            }
+        }
+        Algorithm::SlidingLog(w) => {
+            let mut log = record.log.clone().unwrap_or_default();
+            let decision = log.take(&w, now_ms, cost);
+            match (deny(decision), decision) {
+                (Some(step), _) => step,
+                (None, BucketDecision::Allowed { remaining }) => {
+                    let oldest = log.times.first().copied().unwrap_or(now_ms);
+                    let reset_ms = oldest.saturating_add(w.window_ms).saturating_sub(now_ms);
+                    allow(Spend::Log(log, cost), remaining, reset_ms)
+                }
+                (None, _) => Step::Refuse,
+            }
+        }
     }
 }
 

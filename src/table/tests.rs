@@ -376,6 +376,15 @@ fn corrupt_slots_read_as_empty() {
             epoch: 29,
             counts: [30, 0, 31, 0, 32],
         },
+        counters: Some(tollgate_core::window::Counters {
+            window: 33,
+            count: 34,
+            previous: 35,
+        }),
+        log: Some(tollgate_core::window::Log {
+            times: vec![36, 37, 37, 38],
+            seen_ms: 39,
+        }),
         evictable_at_ms: 10,
     };
     // Every part on its own round-trips too (each has its own flag).
@@ -393,6 +402,19 @@ fn corrupt_slots_read_as_empty() {
             lease: Default::default(),
             ..record.clone()
         },
+        Record {
+            counters: None,
+            ..record.clone()
+        },
+        Record {
+            log: Some(Default::default()),
+            in_flight: Default::default(),
+            ..record.clone()
+        },
+        Record {
+            log: None,
+            ..record.clone()
+        },
     ] {
         assert_eq!(decode(&encode(&part)), Some(part.clone()));
     }
@@ -408,11 +430,15 @@ fn corrupt_slots_read_as_empty() {
     let mut local = Record::fresh("p:k");
     local.bucket = record.bucket;
     assert_eq!(encode(&local).len(), 3 + 3 + 1 + 16 + 8);
-    assert_eq!(encode(&record).len(), 3 + 3 + FIXED_BYTES);
+    // The fixed parts, the counters, and the log's clock, length and four entries.
+    assert_eq!(
+        encode(&record).len(),
+        3 + 3 + FIXED_BYTES + COUNTERS_BYTES + 10 + 4 * 8
+    );
     assert_eq!(decode(&encode(&local)), Some(local.clone()));
     // Unknown flags are rejected.
     let mut flagged = encode(&local);
-    flagged[6] |= 4;
+    flagged[6] |= 32;
     assert_eq!(decode(&flagged), None);
     // Truncated or extended encodings are rejected.
     let bytes = encode(&record);

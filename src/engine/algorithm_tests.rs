@@ -1,0 +1,168 @@
+//! The local stage by algorithm (windows, sliding log, shaping), decided against an in-memory
+//! shared table.
+
+use super::*;
+use crate::request::{RequestFacts, RequestSource};
+use crate::shared::MemorySharedData;
+use crate::table::SlotTable;
+
+struct Tenant(&'static str);
+
+impl RequestSource for Tenant {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        (name == "x-tenant").then(|| self.0.as_bytes().to_vec())
+    }
+    fn property(&self, _path: &[&str]) -> Option<Vec<u8>> {
+        None
+    }
+}
+
+fn engine(extra: &str) -> (Engine, MemorySharedData) {
+    let doc = format!(
+        r#"{{"policies":[{{"name":"p","key":[{{"header":"x-tenant"}}],"rate":{{"units":5,"per":"1s"}}{extra}}}]}}"#
+    );
+    let store = MemorySharedData::default();
+    let table = SlotTable::open(&store, SHARED_PREFIX, 64, 1).unwrap();
+    (
+        Engine::new(Policies::from_json(doc.as_bytes()).unwrap(), table),
+        store,
+    )
+}
+
+fn facts() -> RequestFacts {
+    RequestFacts {
+        method: "GET".into(),
+        path: "/".into(),
+        host: "h".into(),
+    }
+}
+
+fn admitted(e: &Engine, store: &MemorySharedData, tenant: &'static str, now: u64) -> bool {
+    let d = e.decide(
+        &e.plan(&facts(), &Tenant(tenant)),
+        store,
+        now,
+        Attempt::default(),
+    );
+    d.verdict == Verdict::Continue
+}
+
+fn count(e: &Engine, store: &MemorySharedData, tenant: &'static str, now: u64, n: usize) -> usize {
+    (0..n).filter(|_| admitted(e, store, tenant, now)).count()
+}
+
+#[test]
+fn each_algorithm_admits_its_limit_and_keys_never_share_state() {
+    for algorithm in ["fixed_window", "sliding_window", "sliding_log"] {
+        let (e, store) = engine(&format!(r#","algorithm":"{algorithm}""#));
+        assert_eq!(count(&e, &store, "a", 10_100, 20), 5, "{algorithm}");
+        assert_eq!(count(&e, &store, "b", 10_100, 20), 5, "{algorithm}");
+    }
+}
+
+#[test]
+fn windows_differ_at_their_boundary() {
+    // Fixed: 5 at the end of a window, 5 more right after (the double burst).
+    let (e, store) = engine(r#","algorithm":"fixed_window""#);
+    assert_eq!(count(&e, &store, "a", 10_999, 10), 5);
+    assert_eq!(count(&e, &store, "a", 11_000, 10), 5);
+    // Sliding counter: 1 ms into the next window the previous 5 still weigh ~5.
+    let (e, store) = engine(r#","algorithm":"sliding_window""#);
+    assert_eq!(count(&e, &store, "a", 10_999, 10), 5);
+    assert_eq!(count(&e, &store, "a", 11_000, 10), 0);
+    assert_eq!(count(&e, &store, "a", 11_600, 10), 3);
+    // Log: exact, units leave one window after they were counted.
+    let (e, store) = engine(r#","algorithm":"sliding_log""#);
+    assert_eq!(count(&e, &store, "a", 10_999, 10), 5);
+    assert_eq!(count(&e, &store, "a", 11_998, 10), 0);
+    assert_eq!(count(&e, &store, "a", 11_999, 10), 5);
+}
+
+#[test]
+fn a_denial_says_when_the_window_lets_it_pass() {
+    let (e, store) = engine(r#","algorithm":"fixed_window""#);
+    count(&e, &store, "a", 10_250, 5);
+    let d = e.decide(
+        &e.plan(&facts(), &Tenant("a")),
+        &store,
+        10_250,
+        Attempt::default(),
+    );
+    let Verdict::Reply(reply) = d.verdict else {
+        panic!("admitted over the window");
+    };
+    assert!(
+        reply.body.contains(r#""retry_after_seconds":1"#),
+        "{}",
+        reply.body
+    );
+}
+
+#[test]
+fn shaping_spaces_admissions_and_refuses_past_max_delay_or_a_full_queue() {
+    // 5/s (one per 200 ms), burst 1, at most 700 ms of delay.
+    let (e, store) = engine(r#","burst":1,"shape":{"max_delay":"700ms","max_waiting":10}"#);
+    let plan = e.plan(&facts(), &Tenant("a"));
+    let delays: Vec<Option<u64>> = (0..6)
+        .map(|_| {
+            let d = e.decide(&plan, &store, 50_000, Attempt::default());
+            (d.verdict == Verdict::Continue).then_some(d.delay_ms)
+        })
+        .collect();
+    assert_eq!(
+        delays,
+        vec![Some(0), Some(200), Some(400), Some(600), None, None]
+    );
+    // A worker without room for another waiting request of the key: no delay, refused.
+    let mut full = plan.clone();
+    full.enforced[0].may_wait = false;
+    let d = e.decide(&full, &store, 50_300, Attempt::default());
+    assert!(matches!(d.verdict, Verdict::Reply(_)));
+    // When the queue has drained, admissions are immediate again.
+    let d = e.decide(&plan, &store, 51_000, Attempt::default());
+    assert_eq!(
+        (d.verdict, d.delay_ms, d.delayed.len()),
+        (Verdict::Continue, 0, 0)
+    );
+}
+
+#[test]
+fn invalid_combinations_name_the_field() {
+    for (extra, field) in [
+        (
+            r#","algorithm":"sliding_log","shape":{"max_delay":"1s"}"#,
+            "policies[0].shape",
+        ),
+        (
+            r#","algorithm":"fixed_window","burst":5"#,
+            "policies[0].burst",
+        ),
+        (
+            r#","burst":5,"shape":{"max_delay":"0ms"}"#,
+            "policies[0].shape.max_delay",
+        ),
+        (
+            r#","burst":5,"shape":{"max_delay":"1s","max_waiting":0}"#,
+            "policies[0].shape.max_waiting",
+        ),
+        (
+            r#","algorithm":"fixed_window","settle":{"from":{"header":"x"}}"#,
+            "policies[0].settle",
+        ),
+    ] {
+        let doc = format!(
+            r#"{{"policies":[{{"name":"p","key":[{{"header":"x-tenant"}}],"rate":{{"units":5,"per":"1s"}}{extra}}}]}}"#
+        );
+        let errors = Policies::from_json(doc.as_bytes()).unwrap_err().0;
+        assert!(
+            errors.iter().any(|e| e.field == field),
+            "{extra}: {errors:?}"
+        );
+    }
+    let doc = r#"{"policies":[{"name":"p","key":[{"header":"x"}],"algorithm":"sliding_log","rate":{"units":1000,"per":"1s"}}]}"#;
+    let errors = Policies::from_json(doc.as_bytes()).unwrap_err().0;
+    assert!(
+        errors.iter().any(|e| e.field == "policies[0].rate.units"),
+        "{errors:?}"
+    );
+}
