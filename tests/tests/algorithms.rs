@@ -62,7 +62,7 @@ async fn a_concurrent_burst_admits_exactly_the_limit_of_each_algorithm() {
                 denied.body
             );
             let retry: u64 = denied.header("retry-after").unwrap().parse().unwrap();
-            assert!(retry >= 1 && retry <= 3_600, "{route}: Retry-After {retry}");
+            assert!((1..=3_600).contains(&retry), "{route}: Retry-After {retry}");
         }
         let text = envoy.stats_prometheus();
         let allowed = prometheus_value(&text, &format!("tollgate_allowed{{policy=\"{route}\"}}"));
