@@ -166,3 +166,57 @@ fn invalid_combinations_name_the_field() {
         "{errors:?}"
     );
 }
+
+#[test]
+fn a_shaped_global_policy_waits_against_its_assignment_not_a_callout() {
+    let doc = r#"{"policies":[{"name":"p","key":[{"header":"x-tenant"}],"rate":{"units":20,"per":"1s"},
+        "burst":1,"scope":"global","shape":{"max_delay":"500ms"}}],
+        "limiter":{"cluster":"l","timeout":"25ms"}}"#;
+    let store = MemorySharedData::default();
+    let table = SlotTable::open(&store, SHARED_PREFIX, 64, 1).unwrap();
+    let e = Engine::new(Policies::from_json(doc.as_bytes()).unwrap(), table);
+    let plan = e.plan(&facts(), &Tenant("a"));
+    let first = e.decide(&plan, &store, 1_000, Attempt::default());
+    assert_eq!(first.verdict, Verdict::Wait);
+    // Over the limit: an assignment of 10 units/s for 10 s, nothing granted at once.
+    let grant = tollgate_core::protocol::LeaseGranted {
+        id: "x".into(),
+        granted: 0,
+        remaining: 0.0,
+        retry_after_ms: 0,
+        expires_ms: 12_000,
+        share_per_s: 10.0,
+        period_ms: 10_000,
+    };
+    e.credit(&store, &first.needs[0], &grant, 1, 1_000, true)
+        .unwrap();
+    let delays: Vec<Option<u64>> = (0..7)
+        .map(|_| {
+            let d = e.decide(&plan, &store, 1_000, Attempt::default());
+            assert!(
+                d.needs.iter().all(|n| !n.blocking),
+                "no request waits for a callout"
+            );
+            (d.verdict == Verdict::Continue).then_some(d.delay_ms)
+        })
+        .collect();
+    // One per 100 ms of the drip, up to 500 ms; then 429.
+    assert_eq!(
+        delays,
+        vec![
+            Some(100),
+            Some(200),
+            Some(300),
+            Some(400),
+            Some(500),
+            None,
+            None
+        ]
+    );
+    // The drip pays the 5 units taken ahead: 600 ms later 6 dripped, one is free at once,
+    // the next is 100 ms away.
+    let d = e.decide(&plan, &store, 1_600, Attempt::default());
+    assert_eq!((d.verdict, d.delay_ms), (Verdict::Continue, 0));
+    let d = e.decide(&plan, &store, 1_600, Attempt::default());
+    assert_eq!((d.verdict, d.delay_ms), (Verdict::Continue, 100));
+}

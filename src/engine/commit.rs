@@ -104,6 +104,11 @@ impl Engine {
                                 ..state
                             });
                         }
+                        Spend::LeaseAhead(from_tokens, ahead) => {
+                            current.lease.tokens =
+                                current.lease.tokens.saturating_add(*from_tokens);
+                            current.lease.debt = current.lease.debt.saturating_sub(*ahead);
+                        }
                         Spend::Counters(counted, cost) => {
                             if let Some(c) = current.counters.as_mut() {
                                 if c.window == counted.window {
@@ -273,7 +278,7 @@ impl Engine {
             } = step
             {
                 apply_spend(spend, record);
-                if matches!(spend, Spend::Lease(_)) {
+                if matches!(spend, Spend::Lease(_) | Spend::LeaseAhead(..)) {
                     self.refill_if_low(m, policy, record, now_ms, scratch);
                 }
                 admit(m, policy, spend, record, now_ms, scratch);
@@ -370,6 +375,10 @@ fn apply_spend(spend: &Spend, record: &mut Record) {
     match spend {
         Spend::Bucket(state) => record.bucket = Some(*state),
         Spend::Lease(cost) => record.lease.tokens = record.lease.tokens.saturating_sub(*cost),
+        Spend::LeaseAhead(from_tokens, ahead) => {
+            record.lease.tokens = record.lease.tokens.saturating_sub(*from_tokens);
+            record.lease.debt = record.lease.debt.saturating_add(*ahead);
+        }
         Spend::Counters(counters, _) => record.counters = Some(*counters),
         Spend::Log(log, _) => record.log = Some(log.clone()),
         Spend::Nothing => {}
@@ -398,7 +407,7 @@ fn admit(
         reserved: matched.cost,
         spent: match spend {
             Spend::Bucket(_) => Spent::Bucket,
-            Spend::Lease(_) => Spent::Lease,
+            Spend::Lease(_) | Spend::LeaseAhead(..) => Spent::Lease,
             // Windows do not settle (validation refuses `settle` with them).
             Spend::Nothing | Spend::Counters(..) | Spend::Log(..) => Spent::Nothing,
         },

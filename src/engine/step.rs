@@ -54,6 +54,9 @@ pub(super) enum Spend {
     Nothing,
     Bucket(BucketState),
     Lease(u64),
+    /// A shaped request over the rate: what the lease holds, and the rest taken ahead from the
+    /// assignment's drip (as debt the drip pays before anything else).
+    LeaseAhead(u64, u64),
     /// A fixed or sliding window's counters after the cost was counted.
     Counters(Counters, u64),
     /// A sliding log after the cost was logged.
@@ -173,6 +176,9 @@ impl Engine {
             lease.assigned_until_ms = lease.assigned_until_ms.max(lease.pending_until_ms);
         }
         global::pay_debt(lease);
+        if let Some(step) = shaped_against_assignment(policy, matched, lease, now_ms) {
+            return step;
+        }
         if lease.debt > 0 {
             return self.in_debt(global, record, scratch);
         }
@@ -327,6 +333,42 @@ impl Engine {
             ask_in_background(matched, lease, settings, now_ms, scratch);
         }
     }
+}
+
+/// A shaped global policy over its limit: the instance holds an assignment (a share of the
+/// rate that drips into its lease), so a request that the drip covers within `max_delay`
+/// takes its cost ahead, as debt the drip pays first, and waits for its turn; later turns are
+/// refused. No callout per request: the wait is spent against the assignment. `None` when the
+/// policy is not shaped, may not wait now, or no assignment runs (then leases decide).
+fn shaped_against_assignment(
+    policy: &Policy,
+    matched: &Matched,
+    lease: &Lease,
+    now_ms: u64,
+) -> Option<Step> {
+    let shape = policy.shape.filter(|_| matched.may_wait)?;
+    let cost = matched.cost;
+    let over = lease.debt > 0 || lease.tokens < cost;
+    if !over || !global::assigned(lease, now_ms) || lease.drip_per_ms <= 0.0 {
+        return None;
+    }
+    let owed = lease.debt.saturating_add(cost);
+    let delay_ms = global::assignment_retry_ms(lease, owed, now_ms);
+    if delay_ms > shape.max_delay_ms {
+        return Some(Step::Deny {
+            outcome: Outcome::Denied,
+            remaining: 0.0,
+            retry_ms: delay_ms - shape.max_delay_ms,
+        });
+    }
+    let from_tokens = lease.tokens.min(cost);
+    Some(Step::Allow {
+        spend: Spend::LeaseAhead(from_tokens, cost - from_tokens),
+        outcome: Outcome::Allowed,
+        remaining: 0.0,
+        reset_ms: delay_ms,
+        delay_ms,
+    })
 }
 
 /// Queues a lease request nobody waits for (refill, renewal, probe) and marks the key as
