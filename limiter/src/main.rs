@@ -18,6 +18,9 @@ async fn main() -> std::process::ExitCode {
         };
     }
     init_logging(cli.log_format, &cli.log);
+    // Before the listener opens: a stop sent as soon as the limiter answers (a readiness
+    // probe, then SIGTERM) must find the handlers, not the default action (death by signal).
+    let mut signals = ShutdownSignals::install();
     let mut running = match serve(cli.server_config()).await {
         Ok(running) => running,
         Err(e) => {
@@ -27,7 +30,7 @@ async fn main() -> std::process::ExitCode {
         }
     };
     tokio::select! {
-        signal = shutdown_signal() => {
+        signal = signals.recv() => {
             tracing::info!(signal, "shutting down");
             running.shutdown().await;
             std::process::ExitCode::SUCCESS
@@ -39,18 +42,32 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-/// Resolves on SIGTERM or SIGINT, with the signal's name.
-async fn shutdown_signal() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::error!("cannot install signal handlers; stop with SIGKILL");
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
+/// SIGTERM and SIGINT handlers (`None`: they could not be installed).
+struct ShutdownSignals(Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>);
+
+impl ShutdownSignals {
+    fn install() -> Self {
+        use tokio::signal::unix::{signal, SignalKind};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(term), Ok(int)) => Self(Some((term, int))),
+            _ => {
+                tracing::error!("cannot install signal handlers; stop with SIGKILL");
+                Self(None)
+            }
+        }
+    }
+
+    /// Resolves on SIGTERM or SIGINT, with the signal's name.
+    async fn recv(&mut self) -> &'static str {
+        let Some((term, int)) = &mut self.0 else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        }
     }
 }

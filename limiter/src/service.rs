@@ -191,7 +191,9 @@ impl<S: Store> Service<S> {
             let policies = &policies;
             async move {
                 let item = validate::validate_return(policies, r)?;
-                if item.unused == 0 {
+                // A window takes nothing back (its leased units count as used in their
+                // window): no store call for what would return 0.
+                if item.unused == 0 || !item.takes_back() {
                     return Ok(0);
                 }
                 let node = self.store.node_for(&item.key);
@@ -306,7 +308,9 @@ mod tests {
         {"name": "route", "key": [{"header": "x-tenant"}, {"header": "x-route"}],
          "rate": {"units": 1, "per": "1h"}, "burst": 3, "scope": "global"},
         {"name": "l", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1s"},
-         "burst": 10}
+         "burst": 10},
+        {"name": "win", "key": [{"header": "x-tenant"}], "algorithm": "fixed_window",
+         "rate": {"units": 5, "per": "1d"}, "scope": "global"}
       ],
       "limiter": {"cluster": "tollgate_limiter"}
     }"#;
@@ -521,5 +525,58 @@ mod tests {
         ] {
             assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_window_leases_until_its_end_assigns_nothing_and_takes_nothing_back() {
+        let s = service();
+        let day = 86_400_000;
+        let named = |id: &str, want: u64| {
+            format!(
+                r#"{{"leases":[{{"id":"{id}","policy":"win","key":"t","min":1,"want":{want},
+                "holder":"i-1","demand_per_s":100}}]}}"#
+            )
+        };
+        let v = parse(&s.lease_batch(named("a", 100).as_bytes()).await);
+        let a = &v["leases"][0];
+        // `want` clamped to the limit; the lease lasts until the day's window ends, not the
+        // lease TTL (2 s).
+        assert_eq!(a["granted"], 5, "{a}");
+        let expires = a["expires_ms"].as_u64().unwrap();
+        assert!(expires > 0 && expires <= day, "{a}");
+        assert!(
+            a.get("share_per_s").is_none() && a.get("period_ms").is_none(),
+            "{a}"
+        );
+        // Over the limit a named holder gets a denial to remember, never a share.
+        let v = parse(&s.lease_batch(named("b", 1).as_bytes()).await);
+        let b = &v["leases"][0];
+        assert_eq!(
+            (b["granted"].as_u64(), b["expires_ms"].as_u64()),
+            (Some(0), Some(0))
+        );
+        let retry = b["retry_after_ms"].as_u64().unwrap();
+        assert!(retry > 0 && retry <= expires, "until the window ends: {b}");
+        assert!(b.get("share_per_s").is_none(), "{b}");
+        // A return gives nothing back: the units count as used in their window.
+        let ret = r#"{"returns":[{"id":"a","policy":"win","key":"t","unused":5}]}"#;
+        let v = parse(&s.return_batch(ret.as_bytes()).await);
+        assert_eq!(v["returns"][0]["returned"], 0);
+        let v = parse(&s.lease_batch(named("c", 1).as_bytes()).await);
+        assert_eq!(v["leases"][0]["granted"], 0, "nothing came back");
+        let metrics = s.metrics().render();
+        for needle in [
+            r#"tollgate_limiter_decisions_total{outcome="GRANTED",policy="win"} 1"#,
+            r#"tollgate_limiter_decisions_total{outcome="OVER_LIMIT",policy="win"} 2"#,
+            r#"tollgate_limiter_tokens_granted_total{policy="win"} 5"#,
+            r#"tollgate_limiter_returns_total{outcome="NOTHING_RETURNED",policy="win"} 1"#,
+        ] {
+            assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+        }
+        assert!(
+            !metrics
+                .contains(r#"tollgate_limiter_assignments_total{outcome="WAITING",policy="win"}"#),
+            "a window has no assignment regime:\n{metrics}"
+        );
     }
 }

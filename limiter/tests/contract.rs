@@ -22,9 +22,11 @@ use std::time::{Duration, Instant};
 
 use support::*;
 use tollgate_core::assign::{self, Allotment, MAX_HOLDERS};
+use tollgate_core::policy::Algorithm;
+use tollgate_core::window::{self, CounterKind, Counters, Log, Window, WindowGrant};
 use tollgate_limiter::store::{
     bucket_ttl_ms, Grant, LeaseItem, MemoryStore, RedisClusterStore, RedisSecurity, RedisStore,
-    Store, StoreError,
+    ReturnItem, Store, StoreError,
 };
 
 /// Reads a store's bucket behind its back: the memory store's own view, or the hash and
@@ -114,6 +116,92 @@ async fn returned(store: &impl Store, id: &str, policy: &str, key: &str, unused:
         .await
         .expect("store answers")
         .returned
+}
+
+/// One item decided: the store's clock when it decided, and its answer.
+async fn decide(store: &impl Store, item: LeaseItem) -> (u64, Grant) {
+    let outcome = store.lease(&[item]).await.expect("store answers");
+    assert_eq!(outcome.grants.len(), 1);
+    (outcome.now_ms, outcome.grants[0])
+}
+
+fn window_of(policy: &str) -> Window {
+    *algorithm(policy).window().expect("a windowed test policy")
+}
+
+/// tollgate-core's decisions for one window, fed the store's clock: what every store must
+/// answer, to the bit.
+struct Model {
+    algorithm: Algorithm,
+    counters: Option<Counters>,
+    log: Log,
+}
+
+impl Model {
+    fn of(policy: &str) -> Self {
+        Self {
+            algorithm: algorithm(policy),
+            counters: None,
+            log: Log::default(),
+        }
+    }
+
+    fn lease(&mut self, now: u64, min: u64, want: u64) -> WindowGrant {
+        let kind = match self.algorithm {
+            Algorithm::SlidingLog(w) => return self.log.lease(&w, now, min, want),
+            Algorithm::FixedWindow(_) => CounterKind::Fixed,
+            Algorithm::SlidingWindow(_) => CounterKind::Sliding,
+            Algorithm::TokenBucket => panic!("not a window"),
+        };
+        let w = *self.algorithm.window().expect("a window");
+        let (next, grant) = window::lease(kind, &w, self.counters, now, min, want);
+        self.counters = Some(next);
+        grant
+    }
+}
+
+/// Leases from a window and checks the answer is core's at the store's clock.
+async fn window_lease(s: &impl Store, model: &mut Model, item: LeaseItem) -> (u64, Grant) {
+    let (now, g) = decide(s, item.clone()).await;
+    let core = model.lease(now, item.min, item.want);
+    let expected = Grant {
+        granted: core.granted,
+        remaining: core.remaining,
+        retry_after_ms: core.retry_after_ms,
+        replayed: false,
+        share_per_ms: 0.0,
+        period_ms: 0,
+        expires_ms: Some(core.expires_ms),
+    };
+    assert_eq!(
+        g, expected,
+        "{} at {now}: the store and core disagree",
+        item.id
+    );
+    (now, g)
+}
+
+/// Waits, if need be, until the store's clock is early in a window of `policy` (a lease of a
+/// throwaway key says how much of the window is left), so the steps a case needs inside one
+/// window get at least three quarters of one. Returns the window.
+async fn early_in_a_window(s: &impl Store, policy: &str) -> Window {
+    let w = window_of(policy);
+    let (_, probe) = decide(s, lease("probe", policy, &unique("probe"), 1, 1)).await;
+    let left = probe
+        .expires_ms
+        .expect("a window's lease ends with its window");
+    assert!(left <= w.window_ms, "{probe:?}");
+    if left < w.window_ms * 3 / 4 {
+        tokio::time::sleep(Duration::from_millis(left + 2)).await;
+    }
+    w
+}
+
+/// Sleeps past the end of the window an answer was drawn from: its `expires_ms`, plus 3 ms.
+async fn past_the_window(g: &Grant, w: &Window) {
+    let left = g.expires_ms.expect("a window's answer");
+    assert!(left <= w.window_ms, "{g:?}");
+    tokio::time::sleep(Duration::from_millis(left + 3)).await;
 }
 
 /// The contract, one async fn per rule.
@@ -562,6 +650,299 @@ mod cases {
         assert!(b.share_per_ms > 0.0, "{b:?}");
     }
 
+    /// Windows: concurrent callers on one key of each algorithm get exactly the limit of the
+    /// window (a day long: no boundary while the test runs).
+    pub async fn windows_are_exact_under_contention(s: Arc<impl Store>) {
+        let policies = ["fixed-day", "sliding-day", "log-day"];
+        let keys: Vec<String> = policies.iter().map(|p| unique(p)).collect();
+        let mut tasks = Vec::new();
+        for (policy, key) in policies.iter().zip(&keys) {
+            for c in 0..16u64 {
+                let s = Arc::clone(&s);
+                let (policy, key) = (policy.to_string(), key.clone());
+                tasks.push(tokio::spawn(async move {
+                    let mut total = 0;
+                    for n in 0.. {
+                        let id = format!("{c}-{n}");
+                        let g = one(&*s, lease(&id, &policy, &key, 1, 1 + c % 3)).await;
+                        if g.granted == 0 {
+                            assert!(g.retry_after_ms > 0, "{g:?}");
+                            break;
+                        }
+                        assert!(g.granted <= 1 + c % 3, "{g:?}");
+                        total += g.granted;
+                    }
+                    (policy, total)
+                }));
+            }
+        }
+        let mut totals = std::collections::BTreeMap::<String, u64>::new();
+        for t in tasks {
+            let (policy, total) = t.await.expect("task");
+            *totals.entry(policy).or_default() += total;
+        }
+        for policy in policies {
+            assert_eq!(totals[policy], 100, "{policy}: {totals:?}");
+        }
+        // The limit is spent: a denial until the window ends (a fixed window: its end).
+        let (now, d) = decide(&*s, lease("after", "fixed-day", &keys[0], 1, 1)).await;
+        assert_eq!(d.granted, 0);
+        let day = window_of("fixed-day").window_ms;
+        assert_eq!(d.retry_after_ms, day - now % day, "{d:?}");
+        assert_eq!((d.share_per_ms, d.period_ms), (0.0, 0));
+    }
+
+    /// A fixed window: the limit, then denials until the window's end (the lease and the
+    /// denial both say when), then a new window starts from zero — the documented double
+    /// burst at the boundary.
+    pub async fn a_fixed_window_resets_at_its_boundary(s: &impl Store) {
+        let w = early_in_a_window(s, "fixed").await;
+        let k = unique("fixed");
+        let mut model = Model::of("fixed");
+        let (t1, g) = window_lease(s, &mut model, lease("a", "fixed", &k, 4, 100)).await;
+        assert_eq!(
+            g.granted, 10,
+            "want clamped to the limit by the service; here: the room"
+        );
+        let end = w.end_ms(w.index(t1));
+        assert_eq!(
+            g.expires_ms,
+            Some(end - t1),
+            "the lease ends with its window"
+        );
+        let (t2, d) = window_lease(s, &mut model, lease("b", "fixed", &k, 1, 1)).await;
+        assert_eq!(w.index(t2), w.index(t1), "stalled past the window");
+        assert_eq!((d.granted, d.remaining), (0, 0.0));
+        assert_eq!(
+            d.retry_after_ms,
+            end - t2,
+            "a denial waits for the window's end"
+        );
+        past_the_window(&d, &w).await;
+        let (t3, g) = window_lease(s, &mut model, lease("c", "fixed", &k, 1, 10)).await;
+        assert!(t3 >= end, "{t3} {end}");
+        assert_eq!(
+            g.granted,
+            10,
+            "a new window: 20 units within {} ms",
+            t3 - t1
+        );
+    }
+
+    /// A sliding window counter weighs the previous window's count by the share of it still
+    /// inside the rolling window: just past the boundary a full previous window leaves
+    /// (almost) nothing, and a denial says when `min` fits.
+    pub async fn a_sliding_window_weighs_the_previous_window(s: &impl Store) {
+        let w = early_in_a_window(s, "sliding").await;
+        let k = unique("sliding");
+        let mut model = Model::of("sliding");
+        let (t1, g) = window_lease(s, &mut model, lease("a", "sliding", &k, 10, 10)).await;
+        assert_eq!(g.granted, 10);
+        assert_eq!(g.expires_ms, Some(w.end_ms(w.index(t1)) - t1));
+        past_the_window(&g, &w).await;
+        let (t2, g) = window_lease(s, &mut model, lease("b", "sliding", &k, 1, 10)).await;
+        assert_eq!(w.index(t2), w.index(t1) + 1, "stalled past the next window");
+        // 10 × (1 − elapsed / 200) still counts: at most elapsed / 20 units fit.
+        let elapsed = t2 % w.window_ms;
+        assert!(
+            g.granted <= elapsed / 20,
+            "{g:?} {elapsed} ms into the window"
+        );
+        if g.granted == 0 {
+            // The previous window's weight falls by one unit every 20 ms: `min` fits then.
+            assert!(g.retry_after_ms <= 20, "{g:?}");
+            tokio::time::sleep(Duration::from_millis(g.retry_after_ms)).await;
+            let (_, g) = window_lease(s, &mut model, lease("c", "sliding", &k, 1, 1)).await;
+            assert_eq!(g.granted, 1, "the denial's retry_after was enough");
+        }
+    }
+
+    /// A sliding log frees each unit exactly one window after it was counted: a denial waits
+    /// for the oldest units `min` needs gone.
+    pub async fn a_sliding_log_frees_units_a_window_after_them(s: &impl Store) {
+        let w = early_in_a_window(s, "log").await;
+        let k = unique("log");
+        let mut model = Model::of("log");
+        let (t1, g) = window_lease(s, &mut model, lease("a", "log", &k, 4, 4)).await;
+        assert_eq!((g.granted, g.expires_ms), (4, Some(w.window_ms)));
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let (t2, g) = window_lease(s, &mut model, lease("b", "log", &k, 6, 6)).await;
+        assert_eq!(g.granted, 6);
+        let (t3, d) = window_lease(s, &mut model, lease("c", "log", &k, 4, 4)).await;
+        assert_eq!(d.granted, 0, "{d:?}");
+        assert!(t3 < t1 + w.window_ms, "stalled past the window");
+        assert_eq!(
+            d.retry_after_ms,
+            t1 + w.window_ms - t3,
+            "the first 4 leave at t1 + w"
+        );
+        tokio::time::sleep(Duration::from_millis(d.retry_after_ms)).await;
+        let (t4, g) = window_lease(s, &mut model, lease("d", "log", &k, 4, 4)).await;
+        assert_eq!(g.granted, 4, "freed at {}, asked at {t4}", t1 + w.window_ms);
+        let (t5, d) = window_lease(s, &mut model, lease("e", "log", &k, 1, 1)).await;
+        if t5 < t2 + w.window_ms {
+            assert_eq!(d.retry_after_ms, t2 + w.window_ms - t5, "{d:?}");
+        }
+    }
+
+    /// A window's lease id is applied once: a repeat answers the original grant with what is
+    /// left of its window, and takes nothing. Nothing of a window's lease comes back, under
+    /// the window or under a token bucket the policy was switched to.
+    pub async fn window_leases_are_replayed_and_give_nothing_back(s: &impl Store) {
+        for policy in ["fixed-day", "sliding-day", "log-day"] {
+            let k = unique(policy);
+            let (t1, g) = decide(s, lease("a", policy, &k, 3, 5)).await;
+            assert_eq!((g.granted, g.replayed), (5, false), "{policy}");
+            let ends = t1 + g.expires_ms.expect("window");
+            let (t2, again) = decide(s, lease("a", policy, &k, 3, 5)).await;
+            assert_eq!(
+                again,
+                Grant {
+                    replayed: true,
+                    expires_ms: Some(ends - t2),
+                    ..g
+                },
+                "{policy}"
+            );
+            assert_eq!(returned(s, "a", policy, &k, 5).await, 0, "{policy}");
+            assert_eq!(returned(s, "unknown", policy, &k, 5).await, 0, "{policy}");
+            let switched = ReturnItem {
+                algorithm: Algorithm::TokenBucket,
+                ..give_back("a", policy, &k, 5)
+            };
+            let back = s.give_back(&switched).await.expect("store answers");
+            assert_eq!(back.returned, 0, "{policy}: drawn from a window");
+            // The replay took nothing, the returns gave nothing back.
+            assert_eq!(
+                one(s, lease("b", policy, &k, 1, 100)).await.granted,
+                95,
+                "{policy}"
+            );
+            assert_eq!(
+                one(s, lease("c", policy, &k, 1, 1)).await.granted,
+                0,
+                "{policy}"
+            );
+        }
+    }
+
+    /// Windows of different keys never share state, and a policy switched from one algorithm
+    /// (or window length) to another starts from fresh state of its own in both directions.
+    pub async fn window_state_is_per_key_and_per_algorithm(s: &impl Store) {
+        let (a, b) = (unique("wiso-a"), unique("wiso-b"));
+        assert_eq!(
+            one(s, lease("1", "fixed-day", &a, 100, 100)).await.granted,
+            100
+        );
+        assert_eq!(one(s, lease("2", "fixed-day", &a, 1, 1)).await.granted, 0);
+        assert_eq!(
+            one(s, lease("3", "fixed-day", &b, 100, 100)).await.granted,
+            100
+        );
+        let day = window_of("fixed-day");
+        let half = Window::new(100, day.window_ms / 2).expect("window");
+        let as_bucket = |id: &str| LeaseItem {
+            algorithm: Algorithm::TokenBucket,
+            limits: limits("hundred"),
+            ..lease(id, "fixed-day", &a, 1, 100)
+        };
+        for (id, switched) in [
+            ("log", Algorithm::SlidingLog(day)),
+            ("sliding", Algorithm::SlidingWindow(day)),
+            ("half", Algorithm::FixedWindow(half)),
+        ] {
+            let item = LeaseItem {
+                algorithm: switched,
+                ..lease(id, "fixed-day", &a, 1, 100)
+            };
+            assert_eq!(one(s, item).await.granted, 100, "fixed_window → {id}");
+        }
+        assert_eq!(
+            one(s, as_bucket("bucket")).await.granted,
+            100,
+            "→ token bucket"
+        );
+        assert_eq!(
+            one(s, lease("4", "fixed-day", &a, 1, 1)).await.granted,
+            0,
+            "untouched"
+        );
+        // And from a drained token bucket to a window and back.
+        let c = unique("wiso-c");
+        assert_eq!(one(s, lease("5", "tenant", &c, 10, 10)).await.granted, 10);
+        let windowed = LeaseItem {
+            algorithm: Algorithm::FixedWindow(Window::new(10, day.window_ms).expect("w")),
+            ..lease("6", "tenant", &c, 1, 10)
+        };
+        assert_eq!(
+            one(s, windowed).await.granted,
+            10,
+            "token bucket → fixed_window"
+        );
+        assert_eq!(
+            one(s, lease("7", "tenant", &c, 1, 1)).await.granted,
+            0,
+            "still drained"
+        );
+    }
+
+    /// A group may mix windows and token buckets (one hash tag): all or nothing, whichever
+    /// runs out; the others are not charged.
+    pub async fn groups_mix_windows_and_buckets(s: &impl Store) {
+        let t = unique("wgrp");
+        let route = format!("{t}:post");
+        let group = |n: u32| {
+            vec![
+                lease(&format!("t{n}"), "tenant", &t, 1, 1),
+                lease(&format!("r{n}"), "route-fixed", &route, 1, 1),
+            ]
+        };
+        for n in 0..3 {
+            let o = s.lease(&group(n)).await.expect("store answers");
+            assert_eq!((o.grants[0].granted, o.grants[1].granted), (1, 1), "{o:?}");
+            assert_eq!(
+                (o.grants[0].expires_ms, o.grants[1].expires_ms.is_some()),
+                (None, true)
+            );
+        }
+        let o = s.lease(&group(3)).await.expect("store answers");
+        assert_eq!((o.grants[0].granted, o.grants[1].granted), (0, 0), "{o:?}");
+        assert_eq!(
+            o.grants[0].retry_after_ms, 0,
+            "the bucket item alone was fine"
+        );
+        assert!(o.grants[1].retry_after_ms > 0, "{o:?}");
+        assert!((o.grants[0].remaining - 7.0).abs() < 0.01, "{o:?}");
+        assert_eq!(one(s, lease("t4", "tenant", &t, 7, 7)).await.granted, 7);
+
+        // The bucket runs out: the windows of the group are not charged.
+        let u = unique("wgrp-b");
+        assert_eq!(one(s, lease("d", "tenant", &u, 10, 10)).await.granted, 10);
+        let o = s
+            .lease(&[
+                lease("f", "fixed-day", &u, 5, 5),
+                lease("l", "log-day", &u, 5, 5),
+                lease("w", "sliding-day", &u, 5, 5),
+                lease("b", "tenant", &u, 1, 1),
+            ])
+            .await
+            .expect("store answers");
+        for (i, g) in o.grants.iter().enumerate() {
+            assert_eq!(g.granted, 0, "{i}: {o:?}");
+        }
+        for g in &o.grants[..3] {
+            assert_eq!(
+                (g.retry_after_ms, g.remaining),
+                (0, 100.0),
+                "alone it fit: {o:?}"
+            );
+        }
+        for policy in ["fixed-day", "log-day", "sliding-day"] {
+            let g = one(s, lease("all", policy, &u, 100, 100)).await;
+            assert_eq!(g.granted, 100, "{policy} untouched");
+        }
+    }
+
     /// Malformed calls are refused as errors, never as decisions.
     pub async fn store_rejects_nothing_valid(s: &impl Store) {
         s.ready().await.expect("ready");
@@ -671,6 +1052,41 @@ macro_rules! contract {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn windows_are_exact_under_contention() {
+                cases::windows_are_exact_under_contention(Arc::new(store().await)).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_fixed_window_resets_at_its_boundary() {
+                cases::a_fixed_window_resets_at_its_boundary(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_sliding_window_weighs_the_previous_window() {
+                cases::a_sliding_window_weighs_the_previous_window(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_sliding_log_frees_units_a_window_after_them() {
+                cases::a_sliding_log_frees_units_a_window_after_them(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn window_leases_are_replayed_and_give_nothing_back() {
+                cases::window_leases_are_replayed_and_give_nothing_back(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn window_state_is_per_key_and_per_algorithm() {
+                cases::window_state_is_per_key_and_per_algorithm(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn groups_mix_windows_and_buckets() {
+                cases::groups_mix_windows_and_buckets(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn ready_and_observable() {
                 cases::store_rejects_nothing_valid(&store().await).await;
             }
@@ -754,6 +1170,217 @@ async fn redis_keys_carry_ttls_and_share_a_slot() {
     assert_eq!(redis.cmd(&["EXISTS", &fast.bucket_key()]).as_int(), Some(1));
     tokio::time::sleep(Duration::from_millis(1_300)).await;
     assert_eq!(redis.cmd(&["EXISTS", &fast.bucket_key()]).as_int(), Some(0));
+}
+
+/// `PTTL` of `key` is `expected` ms, less at most the time since the call that set it.
+#[cfg(feature = "e2e")]
+fn assert_pttl(redis: &tollgate_e2e::RedisServer, key: &str, expected: u64, since: Instant) {
+    let pttl = redis.cmd(&["PTTL", key]).as_int().expect("pttl");
+    let pttl = u64::try_from(pttl).unwrap_or_else(|_| panic!("{key}: PTTL {pttl}"));
+    let waited = since.elapsed().as_millis() as u64 + 2;
+    assert!(
+        pttl <= expected && pttl + waited >= expected,
+        "{key}: PTTL {pttl}, expected {expected} ({waited} ms later)"
+    );
+}
+
+/// Redis-specific: where each window keeps its state (keys of `store::keys`, derived keys in
+/// the same slot), how long (`window_ttl_ms`: until the state equals a fresh one, plus the
+/// margin), and the lease record of a window (nothing returnable, the window's end).
+#[cfg(feature = "e2e")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_windows_keep_their_state_under_their_own_keys() {
+    use tollgate_limiter::store::{fixed_count_key, log_seen_key, WINDOW_TTL_MARGIN_MS};
+    let redis = shared_redis();
+    let s =
+        RedisStore::new(&redis.url(), &RedisSecurity::default(), settings()).expect("redis store");
+    let day = window_of("fixed-day").window_ms;
+    let k = unique("wkeys");
+
+    let item = lease("f", "fixed-day", &k, 1, 5);
+    let (state, record) = (item.state_key(), item.lease_key());
+    let called = Instant::now();
+    let (now, g) = decide(&s, item).await;
+    assert_eq!(g.granted, 5);
+    let (index, end) = (now / day, (now / day + 1) * day);
+    assert_eq!(redis.cmd(&["GET", &state]).as_int(), Some(index as i64));
+    let count = fixed_count_key(&state, index);
+    assert_eq!(redis.cmd(&["GET", &count]).as_int(), Some(5));
+    for key in [&state, &count] {
+        assert_pttl(redis, key, end - now + WINDOW_TTL_MARGIN_MS, called);
+    }
+    let fields = redis.cmd(&["HGETALL", &record]).to_text();
+    let fields: Vec<&str> = fields.lines().collect();
+    let field = |name: &str| {
+        let at = fields.iter().position(|f| *f == name).expect(name);
+        fields[at + 1].to_owned()
+    };
+    assert_eq!(
+        (field("g"), field("n")),
+        ("0".into(), "5".into()),
+        "nothing returnable"
+    );
+    assert_eq!(field("b"), state);
+    assert_eq!(
+        field("e"),
+        end.to_string(),
+        "the lease ends with the window"
+    );
+
+    let item = lease("s", "sliding-day", &k, 1, 5);
+    let state = item.state_key();
+    let called = Instant::now();
+    let (now, _) = decide(&s, item).await;
+    let hash = redis.cmd(&["HMGET", &state, "w", "c", "p"]).to_text();
+    assert_eq!(hash, format!("{}\n5\n0", now / day));
+    // Two windows: the previous one weighs on the next.
+    assert_pttl(
+        redis,
+        &state,
+        (now / day + 2) * day - now + WINDOW_TTL_MARGIN_MS,
+        called,
+    );
+
+    let item = lease("l", "log-day", &k, 1, 5);
+    let state = item.state_key();
+    let called = Instant::now();
+    let (now, _) = decide(&s, item).await;
+    let units = redis
+        .cmd(&["ZRANGE", &state, "0", "-1", "WITHSCORES"])
+        .to_text();
+    let units: Vec<&str> = units.lines().collect();
+    assert_eq!(units.len(), 10, "{units:?}");
+    let members: std::collections::HashSet<&str> = units.iter().step_by(2).copied().collect();
+    assert_eq!(members.len(), 5, "unique members: {units:?}");
+    assert!(
+        units
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .all(|t| *t == now.to_string()),
+        "{units:?}"
+    );
+    let seen = log_seen_key(&state);
+    assert_eq!(redis.cmd(&["GET", &seen]).as_int(), Some(now as i64));
+    for key in [&state, &seen] {
+        assert_pttl(redis, key, day + WINDOW_TTL_MARGIN_MS, called);
+    }
+}
+
+/// Redis-specific: a clock that went back (a failover to a node whose clock is behind the
+/// one that wrote the state) creates no capacity. State written "in the future" is planted
+/// behind the store's back; the Function counts in the newest window, on the newest time,
+/// it has seen — exactly what core answers for that state.
+#[cfg(feature = "e2e")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_windows_count_on_the_newest_time_seen() {
+    use tollgate_limiter::store::{fixed_count_key, log_seen_key};
+    let redis = shared_redis();
+    let s =
+        RedisStore::new(&redis.url(), &RedisSecurity::default(), settings()).expect("redis store");
+    let k = unique("wback");
+    let w = window_of("fixed");
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis() as u64
+    };
+    // Three windows (600 ms) ahead of this clock.
+    let ahead = w.index(now()) + 3;
+    let planted = Counters {
+        window: ahead,
+        count: 10,
+        previous: 0,
+    };
+
+    let item = lease("f", "fixed", &k, 1, 1);
+    let state = item.state_key();
+    redis.cmd(&["SET", &state, &ahead.to_string(), "PX", "60000"]);
+    redis.cmd(&["SET", &fixed_count_key(&state, ahead), "10", "PX", "60000"]);
+    let (t, g) = decide(&s, item).await;
+    assert!(
+        w.index(t) < ahead,
+        "the planted window is ahead of Redis' clock"
+    );
+    let (_, core) = window::lease(CounterKind::Fixed, &w, Some(planted), t, 1, 1);
+    assert_eq!(
+        (g.granted, g.retry_after_ms),
+        (0, core.retry_after_ms),
+        "{g:?}"
+    );
+    assert_eq!(
+        g.retry_after_ms,
+        w.end_ms(ahead) - t,
+        "until the newest window ends"
+    );
+
+    let item = lease("s", "sliding", &k, 1, 1);
+    let state = item.state_key();
+    redis.cmd(&["HSET", &state, "w", &ahead.to_string(), "c", "10", "p", "0"]);
+    redis.cmd(&["PEXPIRE", &state, "60000"]);
+    let (t, g) = decide(&s, item).await;
+    let (_, core) = window::lease(CounterKind::Sliding, &w, Some(planted), t, 1, 1);
+    assert_eq!((g.granted, g.remaining), (0, 0.0), "{g:?}");
+    assert_eq!(g.retry_after_ms, core.retry_after_ms, "{g:?}");
+
+    // A log that has seen 5 s ahead: a unit 5.1 s old by it has left (by this clock it would
+    // not have), a unit logged now is logged at the time it has seen, and units still in
+    // its window count.
+    let item = lease("l", "log", &k, 1, 10);
+    let state = item.state_key();
+    let seen = now() + 5_000;
+    let gone = seen - w.window_ms - 100;
+    let mut zadd = vec!["ZADD".to_owned(), state.clone()];
+    zadd.extend([gone.to_string(), format!("{gone}:x")]);
+    for n in 0..7 {
+        zadd.extend([seen.to_string(), format!("{seen}:{n}")]);
+    }
+    let zadd: Vec<&str> = zadd.iter().map(String::as_str).collect();
+    redis.cmd(&zadd);
+    redis.cmd(&["PEXPIRE", &state, "60000"]);
+    redis.cmd(&[
+        "SET",
+        &log_seen_key(&state),
+        &seen.to_string(),
+        "PX",
+        "60000",
+    ]);
+    let (t, g) = decide(&s, item).await;
+    assert!(
+        t < gone + w.window_ms,
+        "by Redis' clock the old unit is still in"
+    );
+    let mut log = Log {
+        times: std::iter::once(gone).chain([seen; 7]).collect(),
+        seen_ms: seen,
+    };
+    let core = log.lease(&w, t, 1, 10);
+    assert_eq!((g.granted, g.remaining), (3, 0.0), "{g:?}");
+    assert_eq!(
+        (g.granted, g.retry_after_ms),
+        (core.granted, core.retry_after_ms)
+    );
+    let scores = redis
+        .cmd(&["ZRANGE", &state, "0", "-1", "WITHSCORES"])
+        .to_text();
+    let scores: Vec<u64> = scores
+        .lines()
+        .skip(1)
+        .step_by(2)
+        .map(|t| t.parse().unwrap())
+        .collect();
+    assert_eq!(
+        scores,
+        vec![seen; 10],
+        "logged at the time it has seen, not before"
+    );
+    let (_, d) = decide(&s, lease("l2", "log", &k, 1, 1)).await;
+    assert_eq!(
+        (d.granted, d.retry_after_ms),
+        (0, w.window_ms),
+        "a window after `seen`"
+    );
 }
 
 /// A Redis the store cannot reach is an error, never an answer.

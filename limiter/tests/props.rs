@@ -9,6 +9,11 @@
 //! `share_per_ms` are compared as `f64` equality, not with a tolerance. After each step the
 //! buckets it touched must also be stored identically: content, holdings and TTL.
 //!
+//! The windows get the same treatment (`redis_functions_match_core_window_math`): short fixed,
+//! sliding and log windows, alone and grouped with token buckets, against tollgate-core's
+//! `window` math at Redis' millisecond: answers (`remaining`, `retry_after_ms`, the window's
+//! `expires_ms`) and stored state (counts, windows, logged times, the time a log has seen, TTLs).
+//!
 //! The `e2e` tier (it needs `redis-server`): built only with the feature.
 
 // Test code: failing loudly is the point.
@@ -27,8 +32,11 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use support::*;
+use tollgate_core::policy::Algorithm;
+use tollgate_core::window::{Counters, Log, Window};
 use tollgate_limiter::store::{
-    LeaseItem, MemoryStore, RedisSecurity, RedisStore, Store, StoreSettings,
+    fixed_count_key, log_seen_key, LeaseItem, MemoryStore, RedisSecurity, RedisStore, Store,
+    StoreSettings, WindowState,
 };
 
 /// Policies with rates fast enough that the milliseconds between steps matter.
@@ -322,5 +330,319 @@ fn redis_function_matches_core_bucket_math() {
     println!("{cases} cases exercised {seen:?}");
     for (what, n) in seen {
         assert!(n > 0, "no {what} in {cases} cases: {seen:?}");
+    }
+}
+
+/// Windows for the window property test: short, so sequences of a few dozen steps cross their
+/// boundaries (limits: fixed 5, sliding 7, log 6 units).
+fn prop_windows() -> [(&'static str, Algorithm); 3] {
+    let w = |limit, ms| Window::new(limit, ms).expect("window");
+    [
+        ("pw-fixed", Algorithm::FixedWindow(w(5, 20))),
+        ("pw-sliding", Algorithm::SlidingWindow(w(7, 30))),
+        ("pw-log", Algorithm::SlidingLog(w(6, 25))),
+    ]
+}
+
+/// Policies of the window property test: the three windows, then two token buckets (groups
+/// mix them).
+const WINDOW_POLICIES: usize = 5;
+
+/// One lease item of the window test: policy index, min, want.
+type WindowItemOp = (usize, u64, u64);
+
+#[derive(Debug, Clone)]
+enum WindowOp {
+    /// Items of one tenant; several items form a group.
+    Lease {
+        id: u8,
+        tenant: usize,
+        items: Vec<WindowItemOp>,
+    },
+    Return {
+        id: u8,
+        policy: usize,
+        tenant: usize,
+        unused: u64,
+    },
+    Pause {
+        ms: u64,
+    },
+}
+
+fn window_op() -> impl Strategy<Value = WindowOp> {
+    let item = (0..WINDOW_POLICIES, 1..=7u64, 1..=9u64);
+    prop_oneof![
+        6 => (0..10u8, 0..2usize, prop::collection::vec(item, 1..=3))
+            .prop_map(|(id, tenant, items)| WindowOp::Lease { id, tenant, items }),
+        1 => (0..10u8, 0..WINDOW_POLICIES, 0..2usize, 0..=9u64)
+            .prop_map(|(id, policy, tenant, unused)| WindowOp::Return { id, policy, tenant, unused }),
+        2 => prop_oneof![2 => 0..=4u64, 1 => 5..=25u64].prop_map(|ms| WindowOp::Pause { ms }),
+    ]
+}
+
+/// Item `policy` of the window test for `key`, as the service would pass it (`min` within the
+/// limit or burst, `want` in `[min, it]`).
+fn window_item(id: &str, policy: usize, key: &str, min: u64, want: u64) -> LeaseItem {
+    let (name, algorithm) = match prop_windows().get(policy) {
+        Some((name, algorithm)) => (*name, Some(*algorithm)),
+        None => (if policy == 3 { "fast" } else { "slowish" }, None),
+    };
+    let most = match algorithm.as_ref().and_then(Algorithm::window) {
+        Some(w) => w.limit,
+        None => limits(name).capacity() as u64,
+    };
+    let min = min.min(most);
+    match algorithm {
+        // The windows are not in the test document: their items carry their algorithm.
+        Some(algorithm) => LeaseItem {
+            policy: name.into(),
+            algorithm,
+            ..lease(id, "tenant", key, min, want.clamp(min, most))
+        },
+        None => lease(id, name, key, min, want.clamp(min, most)),
+    }
+}
+
+/// A window's state in Redis, in the memory store's terms (`None`: no state): the fixed
+/// window's newest index and its count, the sliding counter's hash, the log's units and the
+/// time it has seen; with the PTTL of its state key.
+fn redis_window(item: &LeaseItem) -> Option<(WindowState, u64)> {
+    let redis = shared_redis();
+    let key = item.state_key();
+    let pttl = |k: &str| u64::try_from(redis.cmd(&["PTTL", k]).as_int().unwrap_or(-2)).ok();
+    let int = |k: &str| redis.cmd(&["GET", k]).as_int().map(|i| i as u64);
+    let state = match item.algorithm {
+        Algorithm::FixedWindow(_) => {
+            let window = int(&key)?;
+            let count = int(&fixed_count_key(&key, window)).unwrap_or(0);
+            WindowState::Counters(Counters {
+                window,
+                count,
+                previous: 0,
+            })
+        }
+        Algorithm::SlidingWindow(_) => {
+            let f = redis.cmd(&["HMGET", &key, "w", "c", "p"]);
+            let f: Vec<Option<u64>> = f
+                .as_array()?
+                .iter()
+                .map(|v| v.as_int().map(|i| i as u64))
+                .collect();
+            WindowState::Counters(Counters {
+                window: f[0]?,
+                count: f[1]?,
+                previous: f[2]?,
+            })
+        }
+        Algorithm::SlidingLog(_) => {
+            let seen_ms = int(&log_seen_key(&key))?;
+            let units = redis
+                .cmd(&["ZRANGE", &key, "0", "-1", "WITHSCORES"])
+                .to_text();
+            let times = units
+                .lines()
+                .skip(1)
+                .step_by(2)
+                .map(|t| t.parse().unwrap())
+                .collect();
+            // Both expire at the very same millisecond.
+            let expires_at = |k: &str| redis.cmd(&["PEXPIRETIME", k]).as_int();
+            assert_eq!(
+                expires_at(&key),
+                expires_at(&log_seen_key(&key)),
+                "{key}: one expiry for the log"
+            );
+            WindowState::Log(Log { times, seen_ms })
+        }
+        Algorithm::TokenBucket => return None,
+    };
+    Some((state, pttl(&key)?))
+}
+
+/// The windows `items` touched must be stored alike (a fixed window's `previous` is not
+/// stored in Redis: it never counts), with a TTL Redis counts down from the memory store's.
+fn same_windows(
+    memory: &MemoryStore,
+    items: &[LeaseItem],
+    now_ms: u64,
+    called: Instant,
+) -> Result<(), TestCaseError> {
+    for item in items
+        .iter()
+        .filter(|i| i.algorithm != Algorithm::TokenBucket)
+    {
+        let key = item.state_key();
+        let fixed = matches!(item.algorithm, Algorithm::FixedWindow(_));
+        let from_memory = memory
+            .window_view_at(&key, now_ms)
+            .map(|(state, ttl)| match state {
+                WindowState::Counters(c) if fixed => {
+                    (WindowState::Counters(Counters { previous: 0, ..c }), ttl)
+                }
+                other => (other, ttl),
+            });
+        let from_redis = redis_window(item);
+        let waited_ms = called.elapsed().as_millis() as u64 + 1;
+        match (from_memory, from_redis) {
+            (None, None) => {}
+            (Some((m, m_ttl)), Some((r, r_ttl))) => {
+                prop_assert_eq!(&m, &r, "{} state", key);
+                prop_assert!(
+                    r_ttl <= m_ttl + 1 && r_ttl + waited_ms + 1 >= m_ttl,
+                    "{}: PTTL {} vs memory TTL {} ({} ms later)",
+                    key,
+                    r_ttl,
+                    m_ttl,
+                    waited_ms
+                );
+            }
+            (m, r) => prop_assert!(false, "{}: memory {:?}, Redis {:?}", key, m, r),
+        }
+    }
+    Ok(())
+}
+
+/// What the window steps exercised (checked at the end).
+static WINDOW_SEEN: [AtomicU64; 4] = [
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+    AtomicU64::new(0),
+];
+
+async fn run_windows(
+    redis: &RedisStore,
+    case: u64,
+    ops: Vec<WindowOp>,
+) -> Result<(), TestCaseError> {
+    let tenant = |t: usize| format!("pw{}-{case}-{t}", std::process::id());
+    let memory = MemoryStore::new(prop_settings());
+    for (step, op) in ops.iter().enumerate() {
+        let called = Instant::now();
+        match op {
+            WindowOp::Lease {
+                id,
+                tenant: t,
+                items,
+            } => {
+                let items: Vec<LeaseItem> = items
+                    .iter()
+                    .enumerate()
+                    .map(|(n, &(policy, min, want))| {
+                        window_item(&format!("w{id}-{n}"), policy, &tenant(*t), min, want)
+                    })
+                    .collect();
+                let from_redis = redis
+                    .lease(&items)
+                    .await
+                    .map_err(|e| TestCaseError::fail(format!("redis: {e}")))?;
+                let from_memory = memory
+                    .lease_at(&items, from_redis.now_ms)
+                    .map_err(|e| TestCaseError::fail(format!("memory: {e}")))?;
+                prop_assert_eq!(
+                    &from_redis,
+                    &from_memory,
+                    "step {} {:?}: Redis and core disagree",
+                    step,
+                    op
+                );
+                for (item, g) in items.iter().zip(&from_redis.grants) {
+                    if item.algorithm == Algorithm::TokenBucket || g.replayed {
+                        continue;
+                    }
+                    let seen = if g.granted > 0 {
+                        0
+                    } else if g.retry_after_ms > 0 {
+                        1
+                    } else {
+                        2
+                    };
+                    WINDOW_SEEN[seen].fetch_add(1, Ordering::Relaxed);
+                    if items.len() > 1 {
+                        WINDOW_SEEN[3].fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                same_windows(&memory, &items, from_redis.now_ms, called)
+                    .map_err(|e| TestCaseError::fail(format!("step {step} {op:?}: {e}")))?;
+            }
+            WindowOp::Return {
+                id,
+                policy,
+                tenant: t,
+                unused,
+            } => {
+                let lease = window_item(&format!("w{id}-0"), *policy, &tenant(*t), 1, 1);
+                let item = tollgate_limiter::store::ReturnItem {
+                    id: lease.id,
+                    policy: lease.policy,
+                    key: lease.key,
+                    limits: lease.limits,
+                    algorithm: lease.algorithm,
+                    unused: *unused,
+                };
+                let from_redis = redis
+                    .give_back(&item)
+                    .await
+                    .map_err(|e| TestCaseError::fail(format!("redis: {e}")))?;
+                let from_memory = memory.give_back_at(&item, from_redis.now_ms);
+                prop_assert_eq!(
+                    from_redis.returned,
+                    from_memory.returned,
+                    "step {} {:?}",
+                    step,
+                    op
+                );
+                if item.algorithm != Algorithm::TokenBucket {
+                    prop_assert_eq!(from_redis.returned, 0, "a window gives nothing back");
+                }
+            }
+            WindowOp::Pause { ms } => tokio::time::sleep(Duration::from_millis(*ms)).await,
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn redis_functions_match_core_window_math() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let url = shared_redis().url();
+    let redis = rt.block_on(async {
+        let s =
+            RedisStore::new(&url, &RedisSecurity::default(), prop_settings()).expect("redis store");
+        s.ready().await.expect("redis ready");
+        s
+    });
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(48);
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let case = AtomicU64::new(0);
+    let result = runner.run(&prop::collection::vec(window_op(), 1..40), |ops| {
+        rt.block_on(run_windows(
+            &redis,
+            case.fetch_add(1, Ordering::Relaxed),
+            ops,
+        ))
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    let seen: Vec<(&str, u64)> = ["grants", "denials", "undone in a group", "in groups"]
+        .into_iter()
+        .zip(WINDOW_SEEN.iter().map(|n| n.load(Ordering::Relaxed)))
+        .collect();
+    println!("{cases} cases exercised {seen:?}");
+    for (what, n) in &seen {
+        assert!(*n > 0, "no {what} in {cases} cases: {seen:?}");
     }
 }

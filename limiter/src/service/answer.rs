@@ -4,7 +4,8 @@
 //!
 //! * an answer carries the store's assignment as `share_per_s` and `period_ms`; its
 //!   `expires_ms` is the lease TTL, plus the period when there is a share (tokens that accrue
-//!   late in the period stay spendable a little), `0` when nothing may be spent;
+//!   late in the period stay spendable a little), `0` when nothing may be spent; a windowed
+//!   policy's lease expires when the store said (the end of its window), and assigns nothing;
 //! * a unit the store could not decide (error, timeout, or a reply with the wrong number of
 //!   answers) answers `UNAVAILABLE` for its items; when every item is `UNAVAILABLE` the whole
 //!   answer is `503 {"error":"UNAVAILABLE"}`. Nothing is ever granted or denied that the
@@ -15,6 +16,7 @@
 
 use serde::Serialize;
 use tollgate_core::assign::Allotment;
+use tollgate_core::policy::Algorithm;
 use tollgate_core::protocol::{
     BatchError, ErrorCode, LeaseBatchResponse, LeaseError, LeaseGranted, LeaseRequest, LeaseResult,
     LeaseReturn, ReturnBatchResponse, ReturnResult,
@@ -75,8 +77,12 @@ impl Reply {
 }
 
 /// `expires_ms` of an answer: the lease TTL when something may be spent, plus the period
-/// when there is a share (its drip accrues until the period ends), `0` for nothing.
+/// when there is a share (its drip accrues until the period ends), `0` for nothing. A
+/// windowed policy's lease lasts what the store said: until the end of its window.
 pub fn expires_ms(lease_ttl_ms: u64, grant: &Grant) -> u64 {
+    if let Some(window_ms) = grant.expires_ms {
+        return if grant.granted > 0 { window_ms } else { 0 };
+    }
     if grant.share_per_ms > 0.0 {
         lease_ttl_ms.saturating_add(grant.period_ms)
     } else if grant.granted > 0 {
@@ -265,8 +271,13 @@ pub fn tally(item: Option<&LeaseItem>, answer: &Result<Grant, ItemError>) -> Tal
     } else if share {
         t.decision = outcome::ASSIGNED;
     }
-    // The assignment regime: a named holder the bucket could not give its `want`.
-    if item.is_some_and(|item| item.holder.is_some() && grant.granted < item.want) {
+    // The assignment regime: a named holder the bucket could not give its `want` (a window
+    // assigns nothing: its holders are not in it).
+    if item.is_some_and(|item| {
+        item.holder.is_some()
+            && grant.granted < item.want
+            && item.algorithm == Algorithm::TokenBucket
+    }) {
         if share {
             t.assignment = Some(outcome::ASSIGNED);
             t.tokens_assigned = Allotment {
@@ -344,6 +355,7 @@ mod tests {
             replayed: false,
             share_per_ms,
             period_ms,
+            expires_ms: None,
         }
     }
 
@@ -365,6 +377,18 @@ mod tests {
         assert_eq!(expires_ms(2_000, &grant(2, 0.001, 1_000)), 3_000);
         assert_eq!(expires_ms(2_000, &grant(0, 0.0, 0)), 0);
         assert_eq!(expires_ms(u64::MAX, &grant(0, 0.1, 5)), u64::MAX);
+        // A window's lease ends with its window, whatever the lease TTL; a denial is 0.
+        let window = |granted, ms| Grant {
+            expires_ms: Some(ms),
+            ..grant(granted, 0.0, 0)
+        };
+        assert_eq!(expires_ms(2_000, &window(3, 250)), 250);
+        assert_eq!(
+            expires_ms(2_000, &window(3, 0)),
+            0,
+            "a replay after its window"
+        );
+        assert_eq!(expires_ms(2_000, &window(0, 250)), 0);
     }
 
     #[test]

@@ -225,6 +225,7 @@ pub fn validate_lease(policies: &Policies, r: &LeaseRequest) -> Result<LeaseItem
         policy: policy.name.clone(),
         key: r.key.clone(),
         limits: policy.limits,
+        algorithm: policy.algorithm,
         min: r.min,
         want: r.want.clamp(r.min, policy.burst),
         holder: r.holder.clone(),
@@ -259,6 +260,7 @@ pub fn validate_return(policies: &Policies, r: &LeaseReturn) -> Result<ReturnIte
         policy: policy.name.clone(),
         key: r.key.clone(),
         limits: policy.limits,
+        algorithm: policy.algorithm,
         unused: r.unused,
     })
 }

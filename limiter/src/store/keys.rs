@@ -7,8 +7,27 @@
 //! (when the tenant is the first key part) on one primary. Wire keys are already escaped
 //! (`tollgate_core::key::validate_key`), so no input can contain `{` or `}` and move a key
 //! to another slot; lease ids are escaped here with `tollgate_core::key::escape_part`.
+//!
+//! Each algorithm has keys of its own, so a policy switched from one to another (or to another
+//! window length) starts from fresh state instead of reading the other's as its own:
+//!
+//! | state | key | type |
+//! | --- | --- | --- |
+//! | token bucket | `tollgate:{<tag>}:<policy>:<key>` | hash (`tollgate.lua`) |
+//! | fixed window: newest window seen | `…:<policy>:<key>\|fixed:<window_ms>` | string: window index |
+//! | fixed window: its count | `…\|fixed:<window_ms>:w<index>` | string (INCRBY) |
+//! | sliding window counter | `…:<policy>:<key>\|sliding:<window_ms>` | hash `{w, c, p}` |
+//! | sliding log: units | `…:<policy>:<key>\|log:<window_ms>` | sorted set, score = time |
+//! | sliding log: newest time seen | `…\|log:<window_ms>:seen` | string: ms |
+//!
+//! `|` is neither in a policy name nor in an escaped key part (nor in an escaped lease id), so
+//! a window's key can never be another bucket's or another window's. The keys derived from a
+//! window's state key (`:w<index>`, `:seen`) are derived inside the Redis Function from the
+//! state key it is given (the window index comes from Redis' clock), and share its hash tag,
+//! so its slot.
 
 use tollgate_core::key::{escape_part, hash_tag};
+use tollgate_core::policy::Algorithm;
 
 /// Prefix of every Redis key tollgate writes.
 pub const PREFIX: &str = "tollgate";
@@ -16,6 +35,35 @@ pub const PREFIX: &str = "tollgate";
 /// Redis key of a bucket: `tollgate:{<hash tag>}:<policy>:<key>`.
 pub fn bucket_key(policy: &str, key: &str) -> String {
     format!("{PREFIX}:{{{}}}:{policy}:{key}", hash_tag(key))
+}
+
+/// Redis key of the state `algorithm` keeps for (`policy`, `key`): the bucket
+/// ([`bucket_key`]) of a token bucket, `<bucket key>|<fixed|sliding|log>:<window_ms>` of a
+/// window.
+pub fn state_key(algorithm: &Algorithm, policy: &str, key: &str) -> String {
+    let bucket = bucket_key(policy, key);
+    match algorithm {
+        Algorithm::TokenBucket => bucket,
+        Algorithm::FixedWindow(w) => format!("{bucket}|fixed:{}", w.window_ms),
+        Algorithm::SlidingWindow(w) => format!("{bucket}|sliding:{}", w.window_ms),
+        Algorithm::SlidingLog(w) => format!("{bucket}|log:{}", w.window_ms),
+    }
+}
+
+/// Suffix of a fixed window's count key, after its state key and before the window index
+/// (`tollgate.lua` appends it).
+pub const FIXED_COUNT_SUFFIX: &str = ":w";
+/// Suffix of a sliding log's "newest time seen" key, after its state key.
+pub const LOG_SEEN_SUFFIX: &str = ":seen";
+
+/// Redis key of the count of window `index` of the fixed window whose state key is `state`.
+pub fn fixed_count_key(state: &str, index: u64) -> String {
+    format!("{state}{FIXED_COUNT_SUFFIX}{index}")
+}
+
+/// Redis key of the newest time seen by the sliding log whose state key is `state`.
+pub fn log_seen_key(state: &str) -> String {
+    format!("{state}{LOG_SEEN_SUFFIX}")
 }
 
 /// Redis key of a lease's dedup record, in the same slot as its bucket:
@@ -42,6 +90,38 @@ mod tests {
         assert_eq!(redis.matches('{').count(), 1);
         assert_eq!(redis.matches('}').count(), 1);
         assert!(lease_key(&key, "id{}").starts_with("tollgate:{t%7b1%7d%3ax}:lease:"));
+    }
+
+    #[test]
+    fn each_algorithm_has_keys_of_its_own_in_the_bucket_slot() {
+        use tollgate_core::window::Window;
+        let key = "acme:GET%20%2fa";
+        let w = Window::new(10, 1_000).unwrap();
+        let longer = Window::new(10, 60_000).unwrap();
+        let keys = [
+            state_key(&Algorithm::TokenBucket, "p", key),
+            state_key(&Algorithm::FixedWindow(w), "p", key),
+            state_key(&Algorithm::SlidingWindow(w), "p", key),
+            state_key(&Algorithm::SlidingLog(w), "p", key),
+            state_key(&Algorithm::FixedWindow(longer), "p", key),
+            fixed_count_key(&state_key(&Algorithm::FixedWindow(w), "p", key), 1_700_000),
+            log_seen_key(&state_key(&Algorithm::SlidingLog(w), "p", key)),
+        ];
+        assert_eq!(keys[0], bucket_key("p", key));
+        assert_eq!(keys[1], "tollgate:{acme}:p:acme:GET%20%2fa|fixed:1000");
+        assert_eq!(
+            keys[5],
+            "tollgate:{acme}:p:acme:GET%20%2fa|fixed:1000:w1700000"
+        );
+        assert_eq!(keys[6], "tollgate:{acme}:p:acme:GET%20%2fa|log:1000:seen");
+        let distinct: std::collections::HashSet<&String> = keys.iter().collect();
+        assert_eq!(distinct.len(), keys.len(), "{keys:?}");
+        for k in &keys {
+            assert!(k.starts_with("tollgate:{acme}:"), "{k}");
+            assert_eq!(k.matches('{').count(), 1, "{k}");
+        }
+        // No token bucket key (any policy, any valid key) contains `|`.
+        assert!(!bucket_key("p", "a:w1").contains('|'));
     }
 
     #[test]

@@ -1,12 +1,13 @@
-//! The embedded store: every bucket in this process, for a single limiter instance without
-//! Redis (development, tests, a one-replica deployment).
+//! The embedded store: every bucket and window in this process, for a single limiter instance
+//! without Redis (development, tests, a one-replica deployment).
 //!
-//! Same semantics as the Redis Function, running tollgate-core's `assign` math directly: one
-//! mutex makes each unit atomic, each bucket keeps its state and its holdings together, lease
-//! records dedup ids, and state expires like Redis keys (a bucket `bucket_ttl_ms` after its
-//! last write, a lease record `dedup_ttl_ms` after it was created). Expired entries are ignored when read and removed by a bounded sweep on every
-//! call (an expiry heap with one live entry per key), so memory follows the active keys and no
-//! call does unbounded work.
+//! Same semantics as the Redis Function, running tollgate-core's `assign` and `window` math
+//! directly: one mutex makes each unit atomic, each bucket keeps its state and its holdings
+//! together, each window its counters or its log, lease records dedup ids, and state expires
+//! like Redis keys (a bucket `bucket_ttl_ms` after its last write, a window `window_ttl_ms`
+//! after it, a lease record `dedup_ttl_ms` after it was created). Expired entries are ignored
+//! when read and removed by a bounded sweep on every call (an expiry heap with one live entry
+//! per key), so memory follows the active keys and no call does unbounded work.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -14,10 +15,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tollgate_core::assign::{self, Allotment, Holding};
 use tollgate_core::bucket::{BucketState, Limits};
+use tollgate_core::policy::Algorithm;
+use tollgate_core::window::{self, CounterKind, Counters, Log, Window, WindowGrant};
 
 use super::{
-    bucket_ttl_ms, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError,
-    StoreSettings,
+    bucket_ttl_ms, window_ttl_ms, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store,
+    StoreError, StoreSettings,
 };
 use crate::clock::{Clock, MonotonicClock};
 
@@ -51,11 +54,15 @@ struct LeaseRecord {
     retry_after_ms: u64,
     share_per_ms: f64,
     period_ms: u64,
+    /// The state it was drawn from (a bucket key, or a window's state key).
     bucket: String,
+    /// A window's lease: when it ends (the store's clock, ms). `None` for a token bucket.
+    ends_at_ms: Option<u64>,
 }
 
 impl LeaseRecord {
-    fn replay(&self) -> Grant {
+    /// The recorded answer, as of `now` (a window's lease has less time left).
+    fn replay(&self, now: u64) -> Grant {
         Grant {
             granted: self.granted,
             remaining: self.remaining,
@@ -63,8 +70,16 @@ impl LeaseRecord {
             replayed: true,
             share_per_ms: self.share_per_ms,
             period_ms: self.period_ms,
+            expires_ms: self.ends_at_ms.map(|end| end.saturating_sub(now)),
         }
     }
+}
+
+/// A window's state: counters (fixed window, sliding window counter) or a log.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WindowState {
+    Counters(Counters),
+    Log(Log),
 }
 
 /// One bucket as stored: its state and the holdings of the instances it knows.
@@ -99,12 +114,14 @@ struct Entry<T> {
 enum Kind {
     Bucket,
     Lease,
+    Window,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     buckets: HashMap<String, Entry<Bucket>>,
     leases: HashMap<String, Entry<LeaseRecord>>,
+    windows: HashMap<String, Entry<WindowState>>,
     expiries: BinaryHeap<Reverse<(u64, Kind, String)>>,
 }
 
@@ -149,6 +166,22 @@ impl Inner {
         }
     }
 
+    /// The stored window state if it has not expired.
+    fn window(&self, key: &str, now: u64) -> Option<WindowState> {
+        self.windows
+            .get(key)
+            .filter(|e| e.expires_at >= now)
+            .map(|e| e.value.clone())
+    }
+
+    fn put_window(&mut self, key: &str, value: WindowState, expires_at: u64) {
+        let push = put(&mut self.windows, key, value, expires_at);
+        if push {
+            self.expiries
+                .push(Reverse((expires_at, Kind::Window, key.to_owned())));
+        }
+    }
+
     fn put_lease(&mut self, key: &str, value: LeaseRecord, expires_at: u64) {
         let push = put(&mut self.leases, key, value, expires_at);
         if push {
@@ -170,6 +203,7 @@ impl Inner {
             let requeue = match kind {
                 Kind::Bucket => sweep_one(&mut self.buckets, &key, at, now),
                 Kind::Lease => sweep_one(&mut self.leases, &key, at, now),
+                Kind::Window => sweep_one(&mut self.windows, &key, at, now),
             };
             if let Some(next) = requeue {
                 self.expiries.push(Reverse((next, kind, key)));
@@ -178,7 +212,7 @@ impl Inner {
     }
 
     fn len(&self) -> usize {
-        self.buckets.len() + self.leases.len()
+        self.buckets.len() + self.leases.len() + self.windows.len()
     }
 }
 
@@ -223,6 +257,118 @@ fn sweep_one<T>(map: &mut HashMap<String, Entry<T>>, key: &str, at: u64, now: u6
     } else {
         entry.heap_at = entry.expires_at;
         Some(entry.expires_at)
+    }
+}
+
+/// A window touched by the fresh items of one unit.
+struct TouchedWindow {
+    key: String,
+    algorithm: Algorithm,
+    /// Moved to the unit's time (a new window, units that left the log) before any item took
+    /// from it.
+    start: WindowState,
+    /// After the items decided so far.
+    now: WindowState,
+}
+
+/// The counter kind and window of a counter algorithm (`None`: a log or a token bucket).
+fn counter_kind(algorithm: &Algorithm) -> Option<(CounterKind, &Window)> {
+    match algorithm {
+        Algorithm::FixedWindow(w) => Some((CounterKind::Fixed, w)),
+        Algorithm::SlidingWindow(w) => Some((CounterKind::Sliding, w)),
+        Algorithm::TokenBucket | Algorithm::SlidingLog(_) => None,
+    }
+}
+
+impl TouchedWindow {
+    /// The stored state (or a fresh one) moved to `now`.
+    fn start(key: String, algorithm: Algorithm, stored: Option<WindowState>, now: u64) -> Self {
+        let start = match (&algorithm, stored) {
+            (Algorithm::SlidingLog(w), stored) => {
+                let mut log = match stored {
+                    Some(WindowState::Log(log)) => log,
+                    _ => Log::default(),
+                };
+                log.trim(w, now);
+                WindowState::Log(log)
+            }
+            (algorithm, stored) => {
+                let counters = match stored {
+                    Some(WindowState::Counters(c)) => c,
+                    _ => Counters::default(),
+                };
+                match counter_kind(algorithm) {
+                    Some((_, w)) => WindowState::Counters(counters.at(w, now)),
+                    None => WindowState::Counters(counters),
+                }
+            }
+        };
+        Self {
+            key,
+            algorithm,
+            now: start.clone(),
+            start,
+        }
+    }
+
+    /// `window::lease` of the item on the state as the unit left it so far.
+    fn lease(&mut self, now: u64, min: u64, want: u64) -> Option<WindowGrant> {
+        match (&self.algorithm, &mut self.now) {
+            (Algorithm::SlidingLog(w), WindowState::Log(log)) => Some(log.lease(w, now, min, want)),
+            (algorithm, WindowState::Counters(c)) => {
+                let (kind, w) = counter_kind(algorithm)?;
+                let (next, grant) = window::lease(kind, w, Some(*c), now, min, want);
+                *c = next;
+                Some(grant)
+            }
+            _ => None,
+        }
+    }
+
+    /// Units that would fit the state before the unit took any (what a denied group's items
+    /// answer as `remaining`): core's `room` of `window::lease`.
+    fn start_room(&self, now: u64) -> f64 {
+        match (&self.algorithm, &self.start) {
+            (Algorithm::SlidingLog(w), WindowState::Log(log)) => {
+                w.limit.saturating_sub(log.times.len() as u64) as f64
+            }
+            (algorithm, WindowState::Counters(c)) => match counter_kind(algorithm) {
+                Some((kind, w)) => (w.limit as f64 - window::counted(kind, w, c, now) + 1e-9)
+                    .floor()
+                    .max(0.0),
+                None => 0.0,
+            },
+            _ => 0.0,
+        }
+    }
+}
+
+/// When `state` equals a fresh one (`None`: a log with nothing in it, which is dropped).
+fn window_idle_at(algorithm: &Algorithm, state: &WindowState) -> Option<u64> {
+    match (algorithm, state) {
+        (Algorithm::SlidingLog(w), WindowState::Log(log)) => {
+            (!log.times.is_empty()).then(|| log.idle_at_ms(w))
+        }
+        (Algorithm::FixedWindow(w), WindowState::Counters(c)) => Some(c.idle_at_ms(w, false)),
+        (Algorithm::SlidingWindow(w), WindowState::Counters(c)) => Some(c.idle_at_ms(w, true)),
+        _ => None,
+    }
+}
+
+/// What one fresh item of a unit was decided.
+enum Decided {
+    /// From bucket `touched[at]`.
+    Bucket(Allotment, usize),
+    /// From window `windows[at]`.
+    Window(WindowGrant, usize),
+}
+
+impl Decided {
+    fn is_empty(&self) -> bool {
+        match self {
+            Decided::Bucket(a, _) => a.is_empty(),
+            Decided::Window(g, _) => g.granted == 0,
+        }
     }
 }
 
@@ -280,21 +426,37 @@ impl MemoryStore {
         })
     }
 
-    /// The decision the Redis Function `tollgate_v2_lease` makes, line by line.
+    /// The decision the Redis Function `tollgate_v3_lease` makes, line by line.
     pub fn lease_at(&self, items: &[LeaseItem], now: u64) -> Result<LeaseOutcome, StoreError> {
         let mut inner = self.lock();
         inner.sweep(now);
         let terms = self.settings.terms();
 
-        // Indexed by item position (`i`, from `enumerate`) and by position in `touched` (`at`,
-        // from `position` or the push just made).
+        // Indexed by item position (`i`, from `enumerate`) and by position in `touched` or
+        // `windows` (`at`, from `position` or the push just made).
         let mut grants: Vec<Option<Grant>> = vec![None; items.len()];
         let mut touched: Vec<Touched> = Vec::new();
-        // (item index, its allotment, index into `touched`)
-        let mut decided: Vec<(usize, Allotment, usize)> = Vec::new();
+        let mut windows: Vec<TouchedWindow> = Vec::new();
+        let mut decided: Vec<(usize, Decided)> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             if let Some(record) = inner.lease(&item.lease_key(), now) {
-                grants[i] = Some(record.replay());
+                grants[i] = Some(record.replay(now));
+                continue;
+            }
+            if item.algorithm != Algorithm::TokenBucket {
+                let key = item.state_key();
+                let at = match windows.iter().position(|t| t.key == key) {
+                    Some(at) => at,
+                    None => {
+                        let stored = inner.window(&key, now);
+                        windows.push(TouchedWindow::start(key, item.algorithm, stored, now));
+                        windows.len() - 1
+                    }
+                };
+                let grant = windows[at].lease(now, item.min, item.want).ok_or_else(|| {
+                    StoreError::Protocol("memory store: window state mixed up".into())
+                })?;
+                decided.push((i, Decided::Window(grant, at)));
                 continue;
             }
             let bucket_key = item.bucket_key();
@@ -329,49 +491,90 @@ impl MemoryStore {
                 terms,
             );
             t.now.state = next;
-            decided.push((i, allotment, at));
+            decided.push((i, Decided::Bucket(allotment, at)));
         }
 
         // All or nothing: when some fresh items got something and others nothing, none of
-        // them takes anything and no bucket or holding changes. Items that all got nothing
-        // took nothing; what they leave is kept (a waiting holder's demand, the rest of a
-        // running assignment its renewal gave back), so the next renewals make room for it.
-        let given = decided.iter().filter(|(_, a, _)| !a.is_empty()).count();
+        // them takes anything and no bucket, window or holding changes (they keep only what
+        // time did: a refill, a new window, units that left a log). Items that all got
+        // nothing took nothing; what they leave is kept (a waiting holder's demand, the rest
+        // of a running assignment its renewal gave back), so the next renewals make room for
+        // it.
+        let given = decided.iter().filter(|(_, d)| !d.is_empty()).count();
         let apply = given == decided.len() || given == 0;
         for t in &touched {
             let bucket = if apply { &t.now } else { &t.start };
             let ttl = bucket_ttl_ms(&t.limits, &bucket.state, &bucket.holdings, now);
             inner.put_bucket(&t.key, bucket.clone(), expiry(now, ttl));
         }
-        let record_expiry = expiry(now, self.settings.dedup_ttl_ms);
-        for (i, allotment, at) in decided {
-            let t = &touched[at];
-            let record = if apply {
-                LeaseRecord {
-                    granted: allotment.granted,
-                    taken: allotment.taken(),
-                    returned: 0,
-                    remaining: allotment.remaining,
-                    retry_after_ms: allotment.retry_after_ms,
-                    share_per_ms: allotment.share_per_ms,
-                    period_ms: allotment.period_ms,
-                    bucket: t.key.clone(),
+        for t in &windows {
+            let state = if apply { &t.now } else { &t.start };
+            match window_idle_at(&t.algorithm, state) {
+                Some(idle_at) => {
+                    let expires_at = expiry(now, window_ttl_ms(idle_at, now));
+                    inner.put_window(&t.key, state.clone(), expires_at);
                 }
-            } else {
-                LeaseRecord {
-                    granted: 0,
-                    taken: 0,
-                    returned: 0,
-                    remaining: t.start.state.tokens,
-                    retry_after_ms: allotment.retry_after_ms,
-                    share_per_ms: 0.0,
-                    period_ms: 0,
-                    bucket: t.key.clone(),
+                None => {
+                    inner.windows.remove(&t.key);
+                }
+            }
+        }
+        let record_expiry = expiry(now, self.settings.dedup_ttl_ms);
+        for (i, d) in decided {
+            let record = match d {
+                Decided::Bucket(allotment, at) => {
+                    let t = &touched[at];
+                    if apply {
+                        LeaseRecord {
+                            granted: allotment.granted,
+                            taken: allotment.taken(),
+                            returned: 0,
+                            remaining: allotment.remaining,
+                            retry_after_ms: allotment.retry_after_ms,
+                            share_per_ms: allotment.share_per_ms,
+                            period_ms: allotment.period_ms,
+                            bucket: t.key.clone(),
+                            ends_at_ms: None,
+                        }
+                    } else {
+                        LeaseRecord {
+                            granted: 0,
+                            taken: 0,
+                            returned: 0,
+                            remaining: t.start.state.tokens,
+                            retry_after_ms: allotment.retry_after_ms,
+                            share_per_ms: 0.0,
+                            period_ms: 0,
+                            bucket: t.key.clone(),
+                            ends_at_ms: None,
+                        }
+                    }
+                }
+                // A window's lease takes nothing returnable (`taken` 0): its units count as
+                // used in their window.
+                Decided::Window(grant, at) => {
+                    let t = &windows[at];
+                    let (granted, remaining) = if apply {
+                        (grant.granted, grant.remaining)
+                    } else {
+                        (0, t.start_room(now))
+                    };
+                    LeaseRecord {
+                        granted,
+                        taken: 0,
+                        returned: 0,
+                        remaining,
+                        retry_after_ms: grant.retry_after_ms,
+                        share_per_ms: 0.0,
+                        period_ms: 0,
+                        bucket: t.key.clone(),
+                        ends_at_ms: Some(now.saturating_add(grant.expires_ms)),
+                    }
                 }
             };
             grants[i] = Some(Grant {
                 replayed: false,
-                ..record.replay()
+                ..record.replay(now)
             });
             inner.put_lease(&items[i].lease_key(), record, record_expiry);
         }
@@ -387,7 +590,22 @@ impl MemoryStore {
         })
     }
 
-    /// The decision the Redis Function `tollgate_v2_return` makes, line by line.
+    /// A window's state as stored (`key`: `LeaseItem::state_key`) as of the store's clock,
+    /// with milliseconds until it expires.
+    pub fn window_view(&self, key: &str) -> Option<(WindowState, u64)> {
+        self.window_view_at(key, self.clock.now_ms())
+    }
+
+    /// A window's state as stored, as of `now` (absent once expired), with milliseconds
+    /// until it expires.
+    pub fn window_view_at(&self, key: &str, now: u64) -> Option<(WindowState, u64)> {
+        let inner = self.lock();
+        let state = inner.window(key, now)?;
+        let expires_at = inner.windows.get(key).map(|e| e.expires_at)?;
+        Some((state, expires_at.saturating_sub(now)))
+    }
+
+    /// The decision the Redis Function `tollgate_v3_return` makes, line by line.
     pub fn give_back_at(&self, item: &ReturnItem, now: u64) -> ReturnOutcome {
         let mut inner = self.lock();
         inner.sweep(now);
@@ -395,6 +613,9 @@ impl MemoryStore {
             now_ms: now,
             returned: 0,
         };
+        if !item.takes_back() {
+            return nothing;
+        }
         let lease_key = item.lease_key();
         let bucket_key = item.bucket_key();
         let Some(record) = inner.lease(&lease_key, now) else {
@@ -471,6 +692,7 @@ mod tests {
             policy: "p".into(),
             key: key.into(),
             limits,
+            algorithm: Algorithm::TokenBucket,
             min,
             want,
             holder: None,
@@ -551,6 +773,7 @@ mod tests {
             policy: "p".into(),
             key: key.into(),
             limits,
+            algorithm: Algorithm::TokenBucket,
             unused,
         }
     }
@@ -637,5 +860,96 @@ mod tests {
             .unwrap();
         assert!(!b.grants[0].replayed);
         assert_eq!(b.grants[0].granted, 1);
+    }
+
+    fn windowed(id: &str, key: &str, algorithm: Algorithm, min: u64, want: u64) -> LeaseItem {
+        LeaseItem {
+            algorithm,
+            ..item(id, key, Limits::new(10, 1_000, 10).unwrap(), min, want)
+        }
+    }
+
+    #[test]
+    fn a_clock_that_went_back_counts_in_the_newest_window_seen() {
+        let (store, clock) = store();
+        let w = Window::new(10, 1_000).unwrap();
+        // 1,000,000 starts window 1,000: 10 units near its end, then the clock goes back
+        // 1.2 s, into the window before: nothing new to spend (a fresh window would give 10).
+        for algorithm in [
+            Algorithm::FixedWindow(w),
+            Algorithm::SlidingWindow(w),
+            Algorithm::SlidingLog(w),
+        ] {
+            clock.set(1_000_900);
+            let k = format!("back-{}", algorithm.name());
+            let g = store
+                .lease_at(&[windowed("a", &k, algorithm, 10, 10)], clock.now_ms())
+                .unwrap()
+                .grants[0];
+            assert_eq!(g.granted, 10, "{algorithm:?}");
+            clock.set(999_700);
+            let d = store
+                .lease_at(&[windowed("b", &k, algorithm, 1, 1)], clock.now_ms())
+                .unwrap()
+                .grants[0];
+            assert_eq!(d.granted, 0, "{algorithm:?}: {d:?}");
+            // Counted in window 1,000: fixed 1,001,000 and sliding 1,001,100 from the clock
+            // that went back; the log from the newest time it saw, 1,000,900 + 1 s.
+            let retry = match algorithm {
+                Algorithm::FixedWindow(_) => 1_300,
+                Algorithm::SlidingWindow(_) => 1_400,
+                _ => 1_000,
+            };
+            assert_eq!(d.retry_after_ms, retry, "{algorithm:?}: {d:?}");
+            let (state, ttl) = store
+                .window_view(&windowed("-", &k, algorithm, 1, 1).state_key())
+                .unwrap();
+            match state {
+                WindowState::Log(log) => {
+                    assert_eq!(log.seen_ms, 1_000_900);
+                    // Empty a window after its units (1,001,900), plus the margin.
+                    assert_eq!(ttl, 2_200 + 1_000);
+                }
+                WindowState::Counters(c) => assert_eq!(c.window, 1_000, "{algorithm:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn window_leases_take_nothing_returnable_and_replay_what_is_left() {
+        let (store, clock) = store();
+        let w = Window::new(10, 1_000).unwrap();
+        let fixed = Algorithm::FixedWindow(w);
+        clock.set(2_000_250);
+        let g = store
+            .lease_at(&[windowed("a", "t", fixed, 1, 8)], clock.now_ms())
+            .unwrap()
+            .grants[0];
+        assert_eq!((g.granted, g.expires_ms), (8, Some(750)));
+        clock.set(2_000_900);
+        let again = store
+            .lease_at(&[windowed("a", "t", fixed, 1, 8)], clock.now_ms())
+            .unwrap()
+            .grants[0];
+        assert!(again.replayed);
+        assert_eq!((again.granted, again.expires_ms), (8, Some(100)));
+        clock.set(2_001_100);
+        let late = store
+            .lease_at(&[windowed("a", "t", fixed, 1, 8)], clock.now_ms())
+            .unwrap()
+            .grants[0];
+        assert_eq!(
+            late.expires_ms,
+            Some(0),
+            "the window it was drawn from ended"
+        );
+        // Under the token bucket (the policy switched back) or the window: nothing returns.
+        let back = ReturnItem {
+            algorithm: fixed,
+            ..give("a", "t", Limits::new(10, 1_000, 10).unwrap(), 8)
+        };
+        assert_eq!(store.give_back_at(&back, clock.now_ms()).returned, 0);
+        let as_bucket = give("a", "t", Limits::new(10, 1_000, 10).unwrap(), 8);
+        assert_eq!(store.give_back_at(&as_bucket, clock.now_ms()).returned, 0);
     }
 }

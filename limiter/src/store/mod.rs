@@ -9,12 +9,21 @@
 //!
 //! Stores never invent answers: a call they could not complete is a [`StoreError`], which the
 //! service turns into `UNAVAILABLE`, never into a grant or a denial.
+//!
+//! A policy's algorithm decides which state an item reads: a token bucket (`tollgate_core::
+//! assign`, with assignments), or a window (`tollgate_core::window`: fixed window, sliding
+//! window counter, sliding log), each under keys of its own (`store::keys`), so a policy switched
+//! from one algorithm to another never reads the other's state as its own. A windowed lease is
+//! drawn from the current window and expires with it; its unused units are never given back
+//! (they count as used in their window: under-use, never overshoot), and windows assign
+//! nothing.
 
 use std::future::Future;
 use std::time::Duration;
 
 use tollgate_core::assign::{self, Ask, Holding, Terms};
 use tollgate_core::bucket::{BucketState, Limits};
+use tollgate_core::policy::Algorithm;
 
 mod cluster;
 mod keys;
@@ -28,7 +37,8 @@ mod watchdog;
 
 pub(crate) use any::AnyStore;
 pub use cluster::RedisClusterStore;
-pub use memory::MemoryStore;
+pub use keys::{fixed_count_key, log_seen_key};
+pub use memory::{MemoryStore, WindowState};
 pub use security::{RedisSecurity, Secret};
 pub use single::RedisStore;
 pub use watchdog::RECONNECT_AFTER;
@@ -74,6 +84,22 @@ pub fn bucket_ttl_ms(
     }
 }
 
+/// How much longer than the moment it equals a fresh one a window's state is kept (the end
+/// of its newest window for a fixed window, of the window after it for a sliding window
+/// counter, a window after its newest unit for a sliding log): the slack covers clock
+/// differences between the writer and the expiring node, like [`BUCKET_TTL_MARGIN_MS`].
+pub const WINDOW_TTL_MARGIN_MS: u64 = 1_000;
+
+/// TTL of a window's state written at `now_ms` that equals a fresh one from `idle_at_ms` on
+/// (`window::Counters::idle_at_ms`, `window::Log::idle_at_ms`), in ms (> 0). The one rule of
+/// every store (the Redis Function mirrors it). Windows are at most 365 days long, so this is
+/// always a real expiry.
+pub fn window_ttl_ms(idle_at_ms: u64, now_ms: u64) -> u64 {
+    idle_at_ms
+        .saturating_sub(now_ms)
+        .saturating_add(WINDOW_TTL_MARGIN_MS)
+}
+
 /// Settings every store shares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoreSettings {
@@ -103,22 +129,31 @@ pub struct LeaseItem {
     pub policy: String,
     /// A key that passed [`tollgate_core::key::validate_key`].
     pub key: String,
+    /// The token bucket's limits (a windowed policy has them too, unused).
     pub limits: Limits,
+    /// How the policy counts: a token bucket (`limits`), or a window.
+    pub algorithm: Algorithm,
     /// `1 ≤ min ≤ capacity`.
     pub min: u64,
     /// `min ≤ want ≤ capacity`.
     pub want: u64,
     /// The asking instance (1 to `assign::MAX_HOLDER_BYTES` bytes of `[0-9A-Za-z_-]`); only
-    /// a named holder can receive an assignment.
+    /// a named holder of a token bucket can receive an assignment (windows assign nothing).
     pub holder: Option<String>,
     /// The holder's offered demand for this bucket, units per ms (finite, `≥ 0`).
     pub demand_per_ms: f64,
 }
 
 impl LeaseItem {
-    /// The Redis key of the item's bucket (`store::keys::bucket_key`).
+    /// The Redis key of the item's token bucket (`store::keys::bucket_key`).
     pub fn bucket_key(&self) -> String {
         keys::bucket_key(&self.policy, &self.key)
+    }
+
+    /// The Redis key of the state the item's algorithm reads: its token bucket, or its window
+    /// (`store::keys::state_key`).
+    pub fn state_key(&self) -> String {
+        keys::state_key(&self.algorithm, &self.policy, &self.key)
     }
 
     /// The Redis key of the item's lease record (`store::keys::lease_key`).
@@ -144,6 +179,8 @@ pub struct ReturnItem {
     pub policy: String,
     pub key: String,
     pub limits: Limits,
+    /// The policy's algorithm now: only a token bucket takes units back.
+    pub algorithm: Algorithm,
     pub unused: u64,
 }
 
@@ -151,6 +188,12 @@ impl ReturnItem {
     /// The Redis key of the bucket the lease was drawn from (`store::keys::bucket_key`).
     pub fn bucket_key(&self) -> String {
         keys::bucket_key(&self.policy, &self.key)
+    }
+
+    /// Whether the policy takes units back: a token bucket does; a window never does (units
+    /// leased from it count as used in their window).
+    pub fn takes_back(&self) -> bool {
+        self.algorithm == Algorithm::TokenBucket
     }
 
     /// The Redis key of the lease's record (`store::keys::lease_key`).
@@ -175,6 +218,11 @@ pub struct Grant {
     pub share_per_ms: f64,
     /// How long the share may be spent (`0` without a share).
     pub period_ms: u64,
+    /// A windowed policy's item: how long from the decision (the store's clock) the lease may
+    /// be spent, until the end of the window it was drawn from (a sliding log: one window);
+    /// for a replay, what is left of that (`0` once it ended). `None` for a token bucket,
+    /// whose leases last the service's lease TTL.
+    pub expires_ms: Option<u64>,
 }
 
 /// The answer to one unit: one [`Grant`] per item, in order.
@@ -263,9 +311,11 @@ impl StoreError {
 /// Where global buckets live. Every implementation has the same semantics, checked by one
 /// contract suite (`tests/contract.rs`).
 pub trait Store: Send + Sync + 'static {
-    /// Decides one unit atomically with `tollgate_core::assign::allot`, its items (1 or
-    /// more, all keys sharing one hash tag) in order: every item gets something (a grant of
-    /// at least its `min`, or a share), or none takes anything. When some got something and
+    /// Decides one unit atomically with `tollgate_core::assign::allot` (token buckets) and
+    /// `tollgate_core::window` (windowed policies: `lease` of the policy's algorithm, no
+    /// assignments), its items (1 or more, all keys sharing one hash tag, algorithms mixed at
+    /// will) in order: every item gets something (a grant of at least its `min`, or a share),
+    /// or none takes anything. When some got something and
     /// others nothing, no bucket and no holding changes; when all got nothing, what `allot`
     /// left is kept (waiting holders' demands are recorded, so the others' renewals make
     /// room for them). Items whose lease id was decided before answer from their record and
@@ -278,7 +328,8 @@ pub trait Store: Send + Sync + 'static {
     /// Gives back `min(unused, taken − returned so far)` of lease `item.id` (`taken`: its
     /// grant plus the whole tokens of its assignment, `Allotment::taken`), added to the
     /// bucket's content even while it is in debt, never above capacity. Unknown or expired
-    /// ids, and ids drawn from another bucket, give back nothing.
+    /// ids, ids drawn from another bucket, leases drawn from a window (they took nothing
+    /// returnable) and returns to a windowed policy give back nothing.
     fn give_back(
         &self,
         item: &ReturnItem,

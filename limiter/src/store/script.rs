@@ -1,4 +1,4 @@
-//! The Rust side of the `tollgate_v2` Redis Function library (`tollgate.lua`): the library
+//! The Rust side of the `tollgate_v3` Redis Function library (`tollgate.lua`): the library
 //! source, how calls are encoded, how replies are decoded, and how Redis errors map onto
 //! [`StoreError`]. Shared by the single-node and the cluster store, so both speak the exact
 //! same contract.
@@ -6,16 +6,22 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
+use tollgate_core::policy::Algorithm;
 
 use super::{Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, StoreError, StoreSettings};
 
 /// The library source (`FUNCTION LOAD REPLACE`).
 pub const LIBRARY: &str = include_str!("tollgate.lua");
 /// Library name; carries the contract version.
-pub const LIBRARY_NAME: &str = "tollgate_v2";
-pub const LEASE_FN: &str = "tollgate_v2_lease";
-pub const RETURN_FN: &str = "tollgate_v2_return";
-pub const PING_FN: &str = "tollgate_v2_ping";
+pub const LIBRARY_NAME: &str = "tollgate_v3";
+pub const LEASE_FN: &str = "tollgate_v3_lease";
+pub const RETURN_FN: &str = "tollgate_v3_return";
+pub const PING_FN: &str = "tollgate_v3_ping";
+
+/// The algorithm as the library names it (the policy document's name).
+fn algorithm_arg(algorithm: &Algorithm) -> &'static str {
+    algorithm.name()
+}
 
 /// `%.17g`-equivalent text of an `f64` that Lua's `tonumber` reads back to the same value
 /// (Rust's shortest round-trip formatting).
@@ -23,41 +29,49 @@ fn float_arg(x: f64) -> String {
     format!("{x:?}")
 }
 
-/// `FCALL tollgate_v2_lease` for one unit.
+/// `FCALL tollgate_v3_lease` for one unit.
 pub fn lease_cmd(items: &[LeaseItem], settings: &StoreSettings) -> Cmd {
     let mut cmd = redis::cmd("FCALL");
     cmd.arg(LEASE_FN).arg(items.len() * 2);
     for item in items {
-        cmd.arg(item.bucket_key()).arg(item.lease_key());
+        cmd.arg(item.state_key()).arg(item.lease_key());
     }
     cmd.arg(settings.dedup_ttl_ms)
         .arg(settings.assignment_period_ms)
         .arg(settings.lease_ttl_ms);
     for item in items {
-        cmd.arg(float_arg(item.limits.capacity()))
-            .arg(float_arg(item.limits.refill_per_ms()))
-            .arg(item.min)
+        cmd.arg(algorithm_arg(&item.algorithm));
+        match item.algorithm.window() {
+            // A window: its limit, no refill.
+            Some(w) => cmd.arg(w.limit).arg("0"),
+            None => cmd
+                .arg(float_arg(item.limits.capacity()))
+                .arg(float_arg(item.limits.refill_per_ms())),
+        };
+        cmd.arg(item.min)
             .arg(item.want)
             .arg(item.holder.as_deref().unwrap_or(""))
-            .arg(float_arg(item.demand_per_ms));
+            .arg(float_arg(item.demand_per_ms))
+            .arg(item.algorithm.window().map_or(0, |w| w.window_ms));
     }
     cmd
 }
 
-/// `FCALL tollgate_v2_return` for one return.
+/// `FCALL tollgate_v3_return` for one return.
 pub fn return_cmd(item: &ReturnItem) -> Cmd {
     let mut cmd = redis::cmd("FCALL");
     cmd.arg(RETURN_FN)
         .arg(2)
         .arg(item.bucket_key())
         .arg(item.lease_key())
+        .arg(algorithm_arg(&item.algorithm))
         .arg(float_arg(item.limits.capacity()))
         .arg(float_arg(item.limits.refill_per_ms()))
         .arg(item.unused);
     cmd
 }
 
-/// `FCALL_RO tollgate_v2_ping 0`.
+/// `FCALL_RO tollgate_v3_ping 0`.
 pub fn ping_cmd() -> Cmd {
     let mut cmd = redis::cmd("FCALL_RO");
     cmd.arg(PING_FN).arg(0);
@@ -112,10 +126,18 @@ fn millis(value: &Value, what: &str) -> Result<u64, StoreError> {
 }
 
 /// Values per item in a lease reply.
-const REPLY_FIELDS: usize = 6;
+const REPLY_FIELDS: usize = 7;
+
+/// A window lease's `expires_ms` (`-1`: a bucket's lease, `None`).
+fn window_expiry(value: &Value, what: &str) -> Result<Option<u64>, StoreError> {
+    match value {
+        Value::Int(-1) => Ok(None),
+        _ => int(value, what).map(Some),
+    }
+}
 
 /// Decodes `{ now_ms, (granted, remaining, retry_after_ms, replayed, share_per_ms,
-/// period_ms) × n }`.
+/// period_ms, expires_ms) × n }`.
 pub fn parse_lease_reply(value: &Value, n: usize) -> Result<LeaseOutcome, StoreError> {
     let Value::Array(items) = value else {
         return Err(protocol("lease reply is not an array", value));
@@ -137,6 +159,7 @@ pub fn parse_lease_reply(value: &Value, n: usize) -> Result<LeaseOutcome, StoreE
         let replayed = int(iter.next().unwrap_or(&nil), "lease reply: replayed")? == 1;
         let share_per_ms = float(iter.next().unwrap_or(&nil), "lease reply: share_per_ms")?;
         let period_ms = int(iter.next().unwrap_or(&nil), "lease reply: period_ms")?;
+        let expires_ms = window_expiry(iter.next().unwrap_or(&nil), "lease reply: expires_ms")?;
         if !share_per_ms.is_finite() || share_per_ms < 0.0 {
             return Err(protocol("lease reply: share_per_ms", value));
         }
@@ -147,6 +170,7 @@ pub fn parse_lease_reply(value: &Value, n: usize) -> Result<LeaseOutcome, StoreE
             replayed,
             share_per_ms,
             period_ms,
+            expires_ms,
         });
     }
     Ok(LeaseOutcome { now_ms, grants })
@@ -266,6 +290,7 @@ mod tests {
             policy: "p".into(),
             key: "acme".into(),
             limits,
+            algorithm: Algorithm::TokenBucket,
             min: 1,
             want: 5,
             holder: Some("i-1".into()),
@@ -277,8 +302,14 @@ mod tests {
             demand_per_ms: 0.0,
             ..item.clone()
         };
+        let window = tollgate_core::window::Window::new(7, 250).unwrap();
+        let windowed = LeaseItem {
+            id: "id-3".into(),
+            algorithm: Algorithm::SlidingLog(window),
+            ..anonymous.clone()
+        };
         let cmd = lease_cmd(
-            &[item, anonymous],
+            &[item, anonymous, windowed],
             &StoreSettings {
                 dedup_ttl_ms: 60_000,
                 assignment_period_ms: 1_000,
@@ -296,27 +327,41 @@ mod tests {
             args,
             [
                 "FCALL",
-                "tollgate_v2_lease",
-                "4",
+                "tollgate_v3_lease",
+                "6",
                 "tollgate:{acme}:p:acme",
                 "tollgate:{acme}:lease:id-1",
                 "tollgate:{acme}:p:acme",
                 "tollgate:{acme}:lease:id-2",
+                "tollgate:{acme}:p:acme|log:250",
+                "tollgate:{acme}:lease:id-3",
                 "60000",
                 "1000",
                 "2000",
+                "token_bucket",
                 "20.0",
                 "0.1",
                 "1",
                 "5",
                 "i-1",
                 "0.25",
+                "0",
+                "token_bucket",
                 "20.0",
                 "0.1",
                 "1",
                 "5",
                 "",
-                "0.0"
+                "0.0",
+                "0",
+                "sliding_log",
+                "7",
+                "0",
+                "1",
+                "5",
+                "",
+                "0.0",
+                "250"
             ]
         );
     }
@@ -333,6 +378,18 @@ mod tests {
             format!(
                 "local MAX_BUCKET_TTL_MS = {}\n",
                 super::super::MAX_BUCKET_TTL_MS
+            ),
+            format!(
+                "local WINDOW_TTL_MARGIN_MS = {}\n",
+                super::super::WINDOW_TTL_MARGIN_MS
+            ),
+            format!(
+                "local FIXED_COUNT_SUFFIX = '{}'\n",
+                super::super::keys::FIXED_COUNT_SUFFIX
+            ),
+            format!(
+                "local LOG_SEEN_SUFFIX = '{}'\n",
+                super::super::keys::LOG_SEEN_SUFFIX
             ),
             format!("#!lua name={LIBRARY_NAME}\n"),
             format!("redis.register_function('{LEASE_FN}', lease_fn)"),
@@ -354,12 +411,14 @@ mod tests {
             Value::Int(0),
             Value::BulkString(b"0".to_vec()),
             Value::Int(0),
+            Value::Int(-1),
             Value::Int(0),
             Value::BulkString(b"-49.999999999999993".to_vec()),
             Value::BulkString(b"1.8446744073709552e+19".to_vec()),
             Value::Int(1),
             Value::BulkString(b"0.050000000000000003".to_vec()),
             Value::Int(1_000),
+            Value::Int(250),
         ]);
         let o = parse_lease_reply(&v, 2).unwrap();
         assert_eq!(o.now_ms, 1_700_000_000_000);
@@ -374,6 +433,10 @@ mod tests {
         assert!(o.grants[1].replayed);
         assert_eq!(o.grants[1].share_per_ms, 0.05);
         assert_eq!(o.grants[1].period_ms, 1_000);
+        assert_eq!(
+            (o.grants[0].expires_ms, o.grants[1].expires_ms),
+            (None, Some(250))
+        );
         assert!(parse_lease_reply(&v, 1).is_err());
         assert!(parse_return_reply(&Value::Array(vec![Value::Int(1), Value::Int(3)])).is_ok());
         assert!(parse_return_reply(&Value::Nil).is_err());

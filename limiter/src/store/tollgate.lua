@@ -1,14 +1,18 @@
-#!lua name=tollgate_v2
+#!lua name=tollgate_v3
 --
--- tollgate's atomic bucket transitions, as one Redis Function library (Redis >= 7.0).
+-- tollgate's atomic bucket and window transitions, as one Redis Function library
+-- (Redis >= 7.0).
 --
 -- The arithmetic mirrors tollgate-core's `assign.rs` (`current`, `allot`, `give_back`,
--- `Allotment::taken`) and `bucket.rs` (`millis_to_refill`, EPSILON) line by line, and the
--- limiter's `store::bucket_ttl_ms` for expiry; the in-memory store runs the Rust originals,
--- and a property test replays random operation sequences on both and demands identical
--- answers. Change one side, change the other.
+-- `Allotment::taken`), `bucket.rs` (`millis_to_refill`, EPSILON) and `window.rs`
+-- (`Counters::at`, `counted`, `wait_ms`, `fraction_ms`, `lease`, `Log::trim`, `Log::lease`)
+-- line by line, and the limiter's `store::bucket_ttl_ms` and `store::window_ttl_ms` for
+-- expiry; the in-memory store runs the Rust originals, and property tests replay random
+-- operation sequences on both and demand identical answers. Change one side, change the
+-- other.
 --
--- State, all keys named by tollgate-core's `key.rs` (one hash tag per call, so one slot):
+-- State, all keys named by the limiter's `store/keys.rs` (one hash tag per call, so one
+-- slot):
 --   bucket        hash { t = tokens (%.17g; below zero while assignments run ahead of the
 --                        refill), u = updated_ms,
 --                        h:<holder> = "share|ends|demand" per holding (share and demand per
@@ -20,11 +24,32 @@
 --                        rem = remaining at grant (%.17g), ra = retry_after_ms (%.17g),
 --                        s = share per ms (%.17g), p = period ms, b = bucket key it was
 --                        drawn from }
--- Time is this server's `TIME`; a clock that moved backwards refills nothing.
--- Work per call is bounded by the number of keys passed and MAX_HOLDERS per bucket (no
--- scans, no unbounded structures).
+--                 a window's lease: g = 0 (nothing of it ever comes back), n = granted,
+--                 b = the window's state key, e = when the lease ends (ms, this server's
+--                 clock); s = 0, p = 0.
+--   fixed window  <state> = string: the newest window index seen;
+--                 <state>:w<index> = string: units counted in that window (INCRBY);
+--                 both expire WINDOW_TTL_MARGIN_MS after that window's end.
+--   sliding       <state> = hash { w = newest window index seen, c = its count,
+--   window          p = the count of the window before it }; expires the margin after the
+--                 end of the window after w (two windows).
+--   sliding log   <state> = sorted set of the units counted in the last window: score =
+--                 the time (ms) they were counted at, member = "<time>:<n>" (unique);
+--                 <state>:seen = string: the newest time the log has seen (it counts on
+--                 that clock: a clock that went back neither drops units early nor logs one
+--                 before a unit it holds); both expire the margin after the newest unit
+--                 leaves the log; an empty log is deleted.
+--   The `:w<index>` and `:seen` keys are derived from the state key passed in KEYS (the
+--   window index comes from this server's clock), so they share its hash tag and slot.
+-- Time is this server's `TIME`; a clock that moved backwards refills nothing and creates no
+-- window capacity (it counts in the newest window, on the newest time, seen).
+-- Work per call is bounded by the number of keys passed, MAX_HOLDERS per bucket and a
+-- window's limit (at most 256 units for a sliding log): no scans.
 -- The library name carries the contract version: a changed contract is a new library, so
--- the functions of both versions can be loaded in one Redis side by side. v2 changed the
+-- the functions of both versions can be loaded in one Redis side by side. v3 added the
+-- windows (a per-item algorithm, the window's expiry in the reply) and reads v2 buckets and
+-- lease records as they are; a v2 limiter reads v3 buckets and records as they are too
+-- (a window's lease record answers its grant and returns nothing). v2 changed the
 -- bucket itself: its content may be negative (debt of running assignments), which
 -- `tollgate_v1` clamps to zero, creating tokens out of debt; so a v1 limiter must not run
 -- against buckets a v2 limiter has put in debt (replace every limiter of a store). A v2
@@ -38,6 +63,11 @@ local MAX_HOLDERS = 64
 -- limiter store::BUCKET_TTL_MARGIN_MS and store::MAX_BUCKET_TTL_MS
 local BUCKET_TTL_MARGIN_MS = 1000
 local MAX_BUCKET_TTL_MS = 315360000000
+-- limiter store::WINDOW_TTL_MARGIN_MS
+local WINDOW_TTL_MARGIN_MS = 1000
+-- limiter store::keys::FIXED_COUNT_SUFFIX and store::keys::LOG_SEEN_SUFFIX
+local FIXED_COUNT_SUFFIX = ':w'
+local LOG_SEEN_SUFFIX = ':seen'
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -286,6 +316,266 @@ local function read_bucket(key, now)
   return tokens, updated, holdings
 end
 
+-- Windows (core: window.rs). Window indexes, ends and times are integers below 2^53, so
+-- these doubles hold them exactly, and `math.floor(now / wms)` is the integer division.
+
+-- core: Window::end_ms
+local function window_end(wms, index)
+  return (index + 1) * wms
+end
+
+-- core: Counters::at (a clock that went back counts in the newest window seen).
+local function counters_at(wms, c, now)
+  local index = math.floor(now / wms)
+  if index <= c.window then
+    return { window = c.window, count = c.count, previous = c.previous }
+  end
+  local previous = 0
+  if index == c.window + 1 then
+    previous = c.count
+  end
+  return { window = index, count = 0, previous = previous }
+end
+
+-- core: window::counted
+local function counted(kind, wms, c, now)
+  if kind == 'fixed_window' then
+    return c.count
+  end
+  local start = c.window * wms
+  local elapsed = now - start
+  if elapsed < 0 then
+    elapsed = 0
+  end
+  if elapsed > wms then
+    elapsed = wms
+  end
+  local weight = 1.0 - elapsed / wms
+  return c.count + c.previous * weight
+end
+
+-- core: window::fraction_ms
+local function fraction_ms(x, wm)
+  if x < 0 then
+    x = 0
+  elseif x > 1 then
+    x = 1
+  end
+  local ms = math.ceil(x * wm - 1e-6)
+  if ms < 0 then
+    ms = 0
+  end
+  return ms
+end
+
+-- core: window::wait_ms (milliseconds from `now` until `cost` more units fit, at least 1).
+local function counter_wait(kind, limit, wms, c, now, cost)
+  local window_start = c.window * wms
+  local next_start = window_end(wms, c.window)
+  local at
+  if kind == 'fixed_window' then
+    at = next_start
+  else
+    local room = limit - cost
+    if c.count + cost <= limit and c.previous > 0 then
+      -- This window: the previous one's weight must fall to `room - count`.
+      local x = 1.0 - (room - c.count) / c.previous
+      at = window_start + fraction_ms(x, wms)
+    elseif c.count == 0 then
+      at = next_start
+    else
+      -- The next window, where this window's count is the weighted one.
+      local x = 1.0 - room / c.count
+      at = next_start + fraction_ms(x, wms)
+    end
+  end
+  local ms = at - now
+  if ms < 1 then
+    ms = 1
+  end
+  return ms
+end
+
+-- core: the `room` of window::lease.
+local function counter_room(kind, limit, wms, c, now)
+  local room = math.floor(limit - counted(kind, wms, c, now) + 1e-9)
+  if room < 0 then
+    room = 0
+  end
+  return room
+end
+
+-- core: Log::wait_ms on log `w` (its stored units, then the ones this call added at `seen`).
+local function log_wait(w, cost)
+  local keep = w.limit - cost
+  if keep < 0 then
+    keep = 0
+  end
+  local must_leave = w.stored + w.added - keep
+  if must_leave < 1 then
+    return 1
+  end
+  local t = w.seen
+  if must_leave <= w.stored then
+    -- The must_leave-th oldest unit (0-based index must_leave - 1).
+    local r = redis.call('ZRANGE', w.key, must_leave - 1, must_leave - 1, 'WITHSCORES')
+    t = tonumber(r[2])
+  end
+  local ms = t + w.wms - w.seen
+  if ms < 1 then
+    ms = 1
+  end
+  return ms
+end
+
+-- A window's state, moved to `now`: counters (`start`, and `c` as the call's items leave
+-- them) or a log (trimmed here: `stored` units, `seen`, and `added` units to record).
+local function read_window(kind, key, limit, wms, now)
+  local w = { kind = kind, key = key, limit = limit, wms = wms }
+  if kind == 'sliding_log' then
+    -- core: Log::trim (the log's clock never goes back; a unit counts for one window).
+    local seen = tonumber(redis.call('GET', key .. LOG_SEEN_SUFFIX)) or 0
+    if now > seen then
+      seen = now
+    end
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(seen - wms))
+    w.seen = seen
+    w.stored = redis.call('ZCARD', key)
+    w.added = 0
+    return w
+  end
+  local c
+  if kind == 'fixed_window' then
+    local index = tonumber(redis.call('GET', key))
+    w.stored_window = index
+    if index == nil then
+      c = { window = 0, count = 0, previous = 0 }
+    else
+      local count = redis.call('GET', key .. FIXED_COUNT_SUFFIX .. fmt(index))
+      c = { window = index, count = tonumber(count) or 0, previous = 0 }
+    end
+  else
+    local f = redis.call('HMGET', key, 'w', 'c', 'p')
+    c = { window = tonumber(f[1]) or 0, count = tonumber(f[2]) or 0,
+          previous = tonumber(f[3]) or 0 }
+  end
+  w.start = counters_at(wms, c, now)
+  w.c = { window = w.start.window, count = w.start.count, previous = w.start.previous }
+  return w
+end
+
+-- core: window::lease / Log::lease on window `w` as the call's items left it.
+-- Returns granted, remaining, retry_after_ms, expires_ms.
+local function window_lease(w, now, min, want)
+  if min < 1 then
+    min = 1
+  end
+  if w.kind == 'sliding_log' then
+    local room = w.limit - (w.stored + w.added)
+    if room < 0 then
+      room = 0
+    end
+    if room < min then
+      return 0, room, log_wait(w, min), w.wms
+    end
+    local granted = math.min(math.max(want, min), room)
+    w.added = w.added + granted
+    return granted, room - granted, 0, w.wms
+  end
+  local c = w.c
+  local room = counter_room(w.kind, w.limit, w.wms, c, now)
+  local expires = window_end(w.wms, c.window) - now
+  if expires < 1 then
+    expires = 1
+  end
+  if room < min then
+    return 0, room, counter_wait(w.kind, w.limit, w.wms, c, now, min), expires
+  end
+  local granted = math.min(math.max(want, min), room)
+  c.count = c.count + granted
+  return granted, room - granted, 0, expires
+end
+
+-- Units that fit window `w` before the call took any (a denied group's `remaining`).
+local function window_start_room(w, now)
+  if w.kind == 'sliding_log' then
+    local room = w.limit - w.stored
+    if room < 0 then
+      room = 0
+    end
+    return room
+  end
+  return counter_room(w.kind, w.limit, w.wms, w.start, now)
+end
+
+-- limiter: store::window_ttl_ms, as the absolute time (ms, this server's clock) the state
+-- expires at: every key of a window expires at the very same millisecond whichever command
+-- or call set it (a relative PX would add the time the Function took until it ran).
+local function window_expires_at(idle_at, now)
+  local ttl = idle_at - now
+  if ttl < 0 then
+    ttl = 0
+  end
+  return now + ttl + WINDOW_TTL_MARGIN_MS
+end
+
+-- Writes window `w`: with `apply`, as the call's items left it; otherwise as time alone left
+-- it (a new window, units that left the log), like a bucket's refill.
+local function write_window(w, now, apply)
+  local key = w.key
+  if w.kind == 'sliding_log' then
+    local added = 0
+    if apply then
+      added = w.added
+    end
+    if w.stored + added == 0 then
+      redis.call('DEL', key, key .. LOG_SEEN_SUFFIX)
+      return
+    end
+    local last = w.seen
+    if added > 0 then
+      -- Members "<time>:<n>": every unit at `seen`, which no stored unit is newer than, and
+      -- n past the count of the log (no unit at `seen` was trimmed since it was counted).
+      local args = {}
+      local at = fmt(w.seen)
+      for j = 1, added do
+        args[#args + 1] = at
+        args[#args + 1] = at .. ':' .. fmt(w.stored + j)
+      end
+      redis.call('ZADD', key, unpack(args))
+    else
+      last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
+    end
+    -- core: Log::idle_at_ms (the newest unit leaves a window after it).
+    local at = fmt(window_expires_at(last + w.wms, now))
+    redis.call('PEXPIREAT', key, at)
+    redis.call('SET', key .. LOG_SEEN_SUFFIX, fmt(w.seen), 'PXAT', at)
+    return
+  end
+  local c = w.start
+  if apply then
+    c = w.c
+  end
+  if w.kind == 'fixed_window' then
+    -- core: Counters::idle_at_ms (fixed): the end of its window.
+    local at = fmt(window_expires_at(window_end(w.wms, c.window), now))
+    if w.stored_window ~= c.window then
+      redis.call('SET', key, fmt(c.window), 'PXAT', at)
+    end
+    local delta = c.count - w.start.count
+    if delta > 0 then
+      -- The count and its expiry in this one atomic call.
+      local count_key = key .. FIXED_COUNT_SUFFIX .. fmt(c.window)
+      redis.call('INCRBY', count_key, delta)
+      redis.call('PEXPIREAT', count_key, at)
+    end
+    return
+  end
+  redis.call('HSET', key, 'w', fmt(c.window), 'c', fmt(c.count), 'p', fmt(c.previous))
+  -- core: Counters::idle_at_ms (sliding): the end of the window after its own.
+  redis.call('PEXPIREAT', key, fmt(window_expires_at(window_end(w.wms, c.window + 1), now)))
+end
+
 local function expire(key, ttl)
   if ttl > 0 then
     redis.call('PEXPIRE', key, ttl)
@@ -294,26 +584,32 @@ local function expire(key, ttl)
   end
 end
 
--- tollgate_v2_lease: decide N lease items, all-or-nothing, once per lease id.
---   KEYS  2 per item i: KEYS[2i-1] = bucket key, KEYS[2i] = lease record key (one slot).
+-- tollgate_v3_lease: decide N lease items, all-or-nothing, once per lease id.
+--   KEYS  2 per item i: KEYS[2i-1] = the item's state key (its bucket, or its window's state
+--         key: `store::keys::state_key`), KEYS[2i] = lease record key (one slot).
 --   ARGV  [1] = lease record TTL in ms (> 0), [2] = assignment period in ms (> 0),
 --         [3] = lease TTL in ms (> 0: how long a lease-only holder stays known);
---         then 6 per item i, from ARGV[4 + 6(i-1)]: capacity, refill per ms (%.17g),
---         min, want, holder ('' = none: leases only), demand per ms (%.17g, >= 0).
+--         then 8 per item i, from ARGV[4 + 8(i-1)]: algorithm ('token_bucket',
+--         'fixed_window', 'sliding_window' or 'sliding_log'), capacity (a bucket's, %.17g;
+--         a window's limit), refill per ms (a bucket's, %.17g; 0 for a window), min, want,
+--         holder ('' = none: leases only; a window ignores it), demand per ms (%.17g, >= 0;
+--         a window ignores it), window ms (a window's, > 0; 0 for a bucket).
 --   An item whose record exists is a replay: it answers from the record and takes nothing.
---   The other items are decided in order by `allot` (a later item sees the earlier ones'
---   takings and holdings). All or nothing: if some of them got something (a grant or a
---   share) and others nothing, none of them takes anything and no holding changes (their
---   buckets are only refilled); if all got nothing, what they leave is kept (a waiting
---   holder's demand, the rest of a running assignment a renewal gave back), as a single
---   item's is.
---   Returns { now_ms, then 6 per item: granted (integer), remaining (text),
+--   The other items are decided in order, a bucket's by `allot`, a window's by the window
+--   lease of its algorithm (a later item sees the earlier ones' takings and holdings). All or
+--   nothing: if some of them got something (a grant or a share) and others nothing, none of
+--   them takes anything and no holding changes (their buckets are only refilled, their
+--   windows only moved to the call's time); if all got nothing, what they leave is kept (a
+--   waiting holder's demand, the rest of a running assignment a renewal gave back), as a
+--   single item's is.
+--   Returns { now_ms, then 7 per item: granted (integer), remaining (text),
 --             retry_after_ms (text), replayed (0|1), share_per_ms (text),
---             period_ms (integer) }.
+--             period_ms (integer), expires_ms (integer: a window's lease, how long from
+--             now it may be spent, 0 once its window ended; -1 for a bucket's) }.
 local function lease_fn(keys, args)
   local n = #keys / 2
-  if n < 1 or n ~= math.floor(n) or #args ~= 3 + 6 * n then
-    return redis.error_reply('ERR tollgate_v2_lease: bad KEYS/ARGV count')
+  if n < 1 or n ~= math.floor(n) or #args ~= 3 + 8 * n then
+    return redis.error_reply('ERR tollgate_v3_lease: bad KEYS/ARGV count')
   end
   local record_ttl = tonumber(args[1])
   local period = tonumber(args[2])
@@ -323,44 +619,66 @@ local function lease_fn(keys, args)
   local results = {}
   local fresh = {}
   for i = 1, n do
-    local rec = redis.call('HMGET', keys[2 * i], 'g', 'n', 'rem', 'ra', 's', 'p')
+    local rec = redis.call('HMGET', keys[2 * i], 'g', 'n', 'rem', 'ra', 's', 'p', 'e')
     if rec[1] then
       local granted = tonumber(rec[2] or rec[1])
-      results[i] = { granted, rec[3], rec[4], 1, rec[5] or '0', tonumber(rec[6] or '0') }
+      local expires = -1
+      if rec[7] then
+        expires = math.max(tonumber(rec[7]) - now, 0)
+      end
+      results[i] = { granted, rec[3], rec[4], 1, rec[5] or '0', tonumber(rec[6] or '0'), expires }
     else
       fresh[#fresh + 1] = i
     end
   end
 
-  -- Every bucket the fresh items touch, in first-use order: its state and holdings before
-  -- any item (`start_*`), and as the items decided so far leave it.
+  -- Every bucket and window the fresh items touch, in first-use order: a bucket's state and
+  -- holdings before any item (`start_*`) and as the items decided so far leave it; a
+  -- window's (see `read_window`).
   local state = {}
   local order = {}
+  local windows = {}
+  local window_order = {}
   local decided = {}
   for _, i in ipairs(fresh) do
-    local b = 4 + 6 * (i - 1)
-    local cap, rate = tonumber(args[b]), tonumber(args[b + 1])
-    local holder = args[b + 4]
-    if holder == '' then
-      holder = nil
-    end
+    local b = 4 + 8 * (i - 1)
+    local kind = args[b]
+    local cap, rate = tonumber(args[b + 1]), tonumber(args[b + 2])
     local key = keys[2 * i - 1]
-    local s = state[key]
-    if s == nil then
-      local tokens, updated, holdings = read_bucket(key, now)
-      tokens, updated = current(cap, rate, tokens, updated, now)
-      local copy = {}
-      for j, h in ipairs(holdings) do
-        copy[j] = h
+    if kind == 'token_bucket' then
+      local holder = args[b + 5]
+      if holder == '' then
+        holder = nil
       end
-      s = { cap = cap, rate = rate, start_tokens = tokens, start_holdings = holdings,
-            tokens = tokens, updated = updated, holdings = copy }
-      state[key] = s
-      order[#order + 1] = key
+      local s = state[key]
+      if s == nil then
+        local tokens, updated, holdings = read_bucket(key, now)
+        tokens, updated = current(cap, rate, tokens, updated, now)
+        local copy = {}
+        for j, h in ipairs(holdings) do
+          copy[j] = h
+        end
+        s = { cap = cap, rate = rate, start_tokens = tokens, start_holdings = holdings,
+              tokens = tokens, updated = updated, holdings = copy }
+        state[key] = s
+        order[#order + 1] = key
+      end
+      local granted, retry, share, period_ms = allot(cap, rate, s, now, tonumber(args[b + 3]),
+        tonumber(args[b + 4]), holder, tonumber(args[b + 6]), period, lease_ttl)
+      decided[i] = { granted, s.tokens, retry, key, share, period_ms, -1 }
+    elseif kind == 'fixed_window' or kind == 'sliding_window' or kind == 'sliding_log' then
+      local w = windows[key]
+      if w == nil then
+        w = read_window(kind, key, cap, tonumber(args[b + 7]), now)
+        windows[key] = w
+        window_order[#window_order + 1] = key
+      end
+      local granted, remaining, retry, expires =
+        window_lease(w, now, tonumber(args[b + 3]), tonumber(args[b + 4]))
+      decided[i] = { granted, remaining, retry, key, 0, 0, expires }
+    else
+      return redis.error_reply('ERR tollgate_v3_lease: unknown algorithm')
     end
-    local granted, retry, share, period_ms = allot(cap, rate, s, now, tonumber(args[b + 2]),
-      tonumber(args[b + 3]), holder, tonumber(args[b + 5]), period, lease_ttl)
-    decided[i] = { granted, s.tokens, retry, key, share, period_ms }
   end
 
   -- All or nothing: mixed outcomes are undone (see `lease_fn` above); items that all got
@@ -403,52 +721,74 @@ local function lease_fn(keys, args)
       expire(key, bucket_ttl(s.cap, s.rate, s.start_tokens, s.start_holdings, now))
     end
   end
+  for _, key in ipairs(window_order) do
+    write_window(windows[key], now, apply)
+  end
 
   for _, i in ipairs(fresh) do
     local d = decided[i]
-    local granted, remaining, share, period_ms = d[1], d[2], d[5], d[6]
+    local granted, remaining, share, period_ms, expires = d[1], d[2], d[5], d[6], d[7]
+    local w = windows[d[4]]
     if not apply then
-      granted, remaining, share, period_ms = 0, state[d[4]].start_tokens, 0, 0
+      granted, share, period_ms = 0, 0, 0
+      if w then
+        remaining = window_start_room(w, now)
+      else
+        remaining = state[d[4]].start_tokens
+      end
     end
     local rem, ra, sh = fmt(remaining), millis_text(d[3]), fmt(share)
-    redis.call('HSET', keys[2 * i], 'g', fmt(taken(granted, share, period_ms)),
-      'n', fmt(granted), 'r', 0, 'rem', rem, 'ra', ra, 's', sh, 'p', fmt(period_ms), 'b', d[4])
+    if w then
+      -- A window's lease: nothing of it comes back (g = 0); it ends with its window.
+      redis.call('HSET', keys[2 * i], 'g', 0, 'n', fmt(granted), 'r', 0, 'rem', rem,
+        'ra', ra, 's', '0', 'p', '0', 'b', d[4], 'e', fmt(now + expires))
+    else
+      redis.call('HSET', keys[2 * i], 'g', fmt(taken(granted, share, period_ms)),
+        'n', fmt(granted), 'r', 0, 'rem', rem, 'ra', ra, 's', sh, 'p', fmt(period_ms),
+        'b', d[4])
+    end
     redis.call('PEXPIRE', keys[2 * i], record_ttl)
-    results[i] = { granted, rem, ra, 0, sh, period_ms }
+    results[i] = { granted, rem, ra, 0, sh, period_ms, expires }
   end
 
   local reply = { now }
   for i = 1, n do
     local r = results[i]
-    for j = 1, 6 do
+    for j = 1, 7 do
       reply[#reply + 1] = r[j]
     end
   end
   return reply
 end
 
--- tollgate_v2_return: give back unused tokens of one lease, at most once per token.
+-- tollgate_v3_return: give back unused tokens of one lease, at most once per token.
 --   KEYS  [1] = bucket key, [2] = lease record key (one slot).
---   ARGV  [1] = capacity, [2] = refill per ms (%.17g), [3] = unused (integer >= 0).
+--   ARGV  [1] = the policy's algorithm (as in tollgate_v3_lease), [2] = capacity,
+--         [3] = refill per ms (%.17g), [4] = unused (integer >= 0).
 --   Gives back min(unused, taken - returned so far), added to the content even below zero
---   (core: assign::give_back), never above capacity; an unknown or expired lease id, or one
---   drawn from another bucket, gives back nothing.
+--   (core: assign::give_back), never above capacity; an unknown or expired lease id, one
+--   drawn from another bucket or from a window (taken 0), or a return to a windowed policy
+--   gives back nothing (a window's leased units count as used in their window) and writes
+--   nothing.
 --   Returns { now_ms, returned (integer) }.
 local function return_fn(keys, args)
-  if #keys ~= 2 or #args ~= 3 then
-    return redis.error_reply('ERR tollgate_v2_return: bad KEYS/ARGV count')
+  if #keys ~= 2 or #args ~= 4 then
+    return redis.error_reply('ERR tollgate_v3_return: bad KEYS/ARGV count')
   end
   local now = now_ms()
+  if args[1] ~= 'token_bucket' then
+    return { now, 0 }
+  end
   local rec = redis.call('HMGET', keys[2], 'g', 'r', 'b')
   local took, returned = tonumber(rec[1]), tonumber(rec[2])
   if took == nil or returned == nil or rec[3] ~= keys[1] then
     return { now, 0 }
   end
-  local amount = math.min(tonumber(args[3]), took - returned)
+  local amount = math.min(tonumber(args[4]), took - returned)
   if amount <= 0 then
     return { now, 0 }
   end
-  local cap, rate = tonumber(args[1]), tonumber(args[2])
+  local cap, rate = tonumber(args[2]), tonumber(args[3])
   local tokens, updated, holdings = read_bucket(keys[1], now)
   tokens, updated = current(cap, rate, tokens, updated, now)
   tokens = math.min(tokens + amount, cap)
@@ -458,15 +798,15 @@ local function return_fn(keys, args)
   return { now, amount }
 end
 
--- tollgate_v2_ping: KEYS none, ARGV none. Returns the library name; proves it is loaded.
+-- tollgate_v3_ping: KEYS none, ARGV none. Returns the library name; proves it is loaded.
 local function ping_fn()
-  return 'tollgate_v2'
+  return 'tollgate_v3'
 end
 
-redis.register_function('tollgate_v2_lease', lease_fn)
-redis.register_function('tollgate_v2_return', return_fn)
+redis.register_function('tollgate_v3_lease', lease_fn)
+redis.register_function('tollgate_v3_return', return_fn)
 redis.register_function {
-  function_name = 'tollgate_v2_ping',
+  function_name = 'tollgate_v3_ping',
   callback = ping_fn,
   flags = { 'no-writes' },
 }

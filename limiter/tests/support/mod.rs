@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tollgate_core::assign::Holding;
 use tollgate_core::bucket::{BucketState, Limits};
-use tollgate_core::policy::Policies;
+use tollgate_core::policy::{Algorithm, Policies};
 use tollgate_e2e::pki::{CertFiles, TestCa};
 use tollgate_e2e::redis::RedisOptions;
 use tollgate_e2e::redis::Resp;
@@ -27,7 +27,9 @@ use tollgate_limiter::store::{LeaseItem, MemoryStore, RedisSecurity, ReturnItem,
 use tollgate_limiter::{serve, Running, ServerConfig, StoreConfig};
 
 /// Policies every test uses. "Negligible refill" policies refill 1 unit per hour, so a test
-/// lasting seconds sees at most a thousandth of a token come back.
+/// lasting seconds sees at most a thousandth of a token come back. The windowed ones: 10 per
+/// 200 ms windows (`fixed`, `sliding`, `log`) for boundaries, and windows of a day (`*-day`,
+/// `route-fixed`) that a test lasting seconds almost never sees end.
 pub const DOC: &str = r#"{
   "policies": [
     {"name": "hundred", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1h"},
@@ -45,7 +47,21 @@ pub const DOC: &str = r#"{
     {"name": "thousand", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1h"},
      "burst": 1000, "scope": "global"},
     {"name": "local-only", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1s"},
-     "burst": 10}
+     "burst": 10},
+    {"name": "fixed", "key": [{"header": "x-tenant"}], "algorithm": "fixed_window",
+     "rate": {"units": 10, "per": "200ms"}, "scope": "global"},
+    {"name": "sliding", "key": [{"header": "x-tenant"}], "algorithm": "sliding_window",
+     "rate": {"units": 10, "per": "200ms"}, "scope": "global"},
+    {"name": "log", "key": [{"header": "x-tenant"}], "algorithm": "sliding_log",
+     "rate": {"units": 10, "per": "200ms"}, "scope": "global"},
+    {"name": "fixed-day", "key": [{"header": "x-tenant"}], "algorithm": "fixed_window",
+     "rate": {"units": 100, "per": "1d"}, "scope": "global"},
+    {"name": "sliding-day", "key": [{"header": "x-tenant"}], "algorithm": "sliding_window",
+     "rate": {"units": 100, "per": "1d"}, "scope": "global"},
+    {"name": "log-day", "key": [{"header": "x-tenant"}], "algorithm": "sliding_log",
+     "rate": {"units": 100, "per": "1d"}, "scope": "global"},
+    {"name": "route-fixed", "key": [{"header": "x-tenant"}, {"header": "x-route"}],
+     "algorithm": "fixed_window", "rate": {"units": 3, "per": "1d"}, "scope": "global"}
   ],
   "limiter": {"cluster": "tollgate_limiter"}
 }"#;
@@ -57,6 +73,10 @@ pub fn policies() -> &'static Policies {
 
 pub fn limits(policy: &str) -> Limits {
     policies().get(policy).expect("test policy").limits
+}
+
+pub fn algorithm(policy: &str) -> Algorithm {
+    policies().get(policy).expect("test policy").algorithm
 }
 
 /// A key nobody else in this test run uses: `<prefix>-<pid>-<n>` (a valid one-part key).
@@ -88,6 +108,7 @@ pub fn lease(id: &str, policy: &str, key: &str, min: u64, want: u64) -> LeaseIte
         policy: policy.into(),
         key: key.into(),
         limits: limits(policy),
+        algorithm: algorithm(policy),
         min,
         want,
         holder: None,
@@ -117,6 +138,7 @@ pub fn give_back(id: &str, policy: &str, key: &str, unused: u64) -> ReturnItem {
         policy: policy.into(),
         key: key.into(),
         limits: limits(policy),
+        algorithm: algorithm(policy),
         unused,
     }
 }
