@@ -258,6 +258,18 @@ pub fn envoy_config(
     format!("{head}{indented}{tail}\n  clusters:\n{clusters}")
 }
 
+/// Starts Envoy on a rendered config (`envoy_config`) with `workers` workers, logging
+/// warnings; returns it with the port of its `ingress` listener.
+pub fn start_ingress(config: String, workers: u32) -> (crate::Envoy, u16) {
+    let envoy = crate::Envoy::start(
+        crate::EnvoyOptions::new(config)
+            .concurrency(workers)
+            .log_level("warn"),
+    );
+    let port = envoy.listener_port("ingress");
+    (envoy, port)
+}
+
 /// Asserts that the shipped Envoy config `config` (a path from the workspace root) embeds the
 /// policy document `policy_file` as its plugin configuration (the same JSON value).
 pub fn assert_embeds_policy(config: &str, policy_file: &str) {

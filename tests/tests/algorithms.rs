@@ -11,20 +11,14 @@
 
 use std::time::{Duration, Instant};
 
-use tollgate_e2e::tollgate::{envoy_config, prometheus_value};
-use tollgate_e2e::{burst, send, Envoy, EnvoyOptions, RequestSpec, Upstream};
+use tollgate_e2e::tollgate::{envoy_config, prometheus_value, start_ingress};
+use tollgate_e2e::{burst, send, Envoy, RequestSpec, Upstream};
 
 const WORKERS: u32 = 4;
 
 fn start(policy: &str, upstream: &Upstream) -> (Envoy, u16) {
     let config = envoy_config("envoy/local.yaml", policy, upstream.port(), None);
-    let envoy = Envoy::start(
-        EnvoyOptions::new(config)
-            .concurrency(WORKERS)
-            .log_level("warn"),
-    );
-    let port = envoy.listener_port("ingress");
-    (envoy, port)
+    start_ingress(config, WORKERS)
 }
 
 /// One policy per algorithm, each on its own route: 20 units per hour (no window ends, no

@@ -10,10 +10,8 @@
 //! `redis-server` and on a local Redis Cluster. A concurrent burst over both Envoys admits
 //! exactly the window's limit, whatever the algorithm.
 
-use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
-use tollgate_e2e::{
-    burst, Envoy, EnvoyOptions, RedisCluster, RedisServer, RequestSpec, Response, Upstream,
-};
+use tollgate_e2e::tollgate::{envoy_config, prometheus_value, start_ingress, Limiter, Store};
+use tollgate_e2e::{burst, Envoy, RedisCluster, RedisServer, RequestSpec, Response, Upstream};
 
 const ALGORITHMS: [&str; 3] = ["fixed_window", "sliding_window", "sliding_log"];
 
@@ -53,9 +51,7 @@ async fn each_algorithm_admits_its_limit_over_two_envoys(store: Store) {
             upstream.port(),
             Some(limiter.port()),
         );
-        let envoy = Envoy::start(EnvoyOptions::new(config).concurrency(2).log_level("warn"));
-        let port = envoy.listener_port("ingress");
-        (envoy, port)
+        start_ingress(config, 2)
     };
     let ((a, port_a), (b, port_b)) = (start(), start());
     for algorithm in ALGORITHMS {

@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tollgate_e2e::tollgate::{assert_embeds_policy, envoy_config, prometheus_value};
+use tollgate_e2e::tollgate::{assert_embeds_policy, envoy_config, prometheus_value, start_ingress};
 use tollgate_e2e::{
     burst, paths, process, send, try_burst, try_send_streamed, Envoy, EnvoyOptions, MeteredRequest,
     MeteredUpstream, RequestSpec, Response, UsageIn, Wire,
@@ -25,13 +25,7 @@ const WAIT: Duration = Duration::from_secs(10);
 fn start(policy: &str, upstream: &MeteredUpstream, route_timeout: &str) -> (Envoy, u16) {
     let config = envoy_config("envoy/llm.yaml", policy, upstream.port(), None)
         .replace("timeout: 300s", &format!("timeout: {route_timeout}"));
-    let envoy = Envoy::start(
-        EnvoyOptions::new(config)
-            .concurrency(WORKERS)
-            .log_level("warn"),
-    );
-    let port = envoy.listener_port("ingress");
-    (envoy, port)
+    start_ingress(config, WORKERS)
 }
 
 fn metric(envoy: &Envoy, what: &str, policy: &str) -> u64 {

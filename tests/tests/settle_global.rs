@@ -13,9 +13,9 @@
 
 use std::time::{Duration, Instant};
 
-use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, prometheus_value, start_ingress, Limiter, Store};
 use tollgate_e2e::{
-    process, send, Envoy, EnvoyOptions, MeteredRequest, MeteredUpstream, RedisServer, RequestSpec,
+    process, send, Envoy, MeteredRequest, MeteredUpstream, RedisServer, RequestSpec,
 };
 
 const POLICY: &str = "tokens";
@@ -110,9 +110,7 @@ async fn settled_units_stay_within_the_global_budget_under_three_times_the_deman
             upstream.port(),
             Some(limiter.port()),
         );
-        let envoy = Envoy::start(EnvoyOptions::new(config).concurrency(2).log_level("warn"));
-        let port = envoy.listener_port("ingress");
-        (envoy, port)
+        start_ingress(config, 2)
     };
     let ((a, port_a), (b, port_b)) = (envoy(0), envoy(1));
     let start = Instant::now();
@@ -214,8 +212,7 @@ async fn a_body_estimate_waits_for_its_lease_and_the_whole_body_follows() {
         upstream.port(),
         Some(limiter.port()),
     );
-    let envoy = Envoy::start(EnvoyOptions::new(config).concurrency(2).log_level("warn"));
-    let port = envoy.listener_port("ingress");
+    let (envoy, port) = start_ingress(config, 2);
     let chat = |tenant: &str, body: String| {
         RequestSpec::post("/v1/chat/completions", body).header("x-tenant-id", tenant)
     };
