@@ -3,6 +3,11 @@
 //! slower; these numbers rank costs, they are not the in-Envoy cost).
 //!
 //! - bucket: `try_take` on a live bucket, `lease` from a full one, `give_back`;
+//! - algorithm: one admitting local decision of each `algorithm` from a live state, as the
+//!   local stage makes it per request: the token bucket's `try_take`, its `shape` (within the
+//!   rate, and over it: a turn `max_delay` allows), `window::take` of a fixed window and of a
+//!   sliding window counter, and `Log::take` of a sliding log holding 200 entries (limit 256:
+//!   at each decision one leaves and one is logged, as at a steady rate);
 //! - policy match over 100 policies (none matches / the last one matches), and the filter's
 //!   `Engine::plan` over the same 100 (match + key of the matching policy);
 //! - keys: escaping a plain, a hostile and an over-long identity, joining parts, bucket ids;
@@ -25,10 +30,11 @@ use tollgate::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
 use tollgate::request::{RequestFacts, RequestSource};
 use tollgate::shared::MemorySharedData;
 use tollgate::table::SlotTable;
-use tollgate_core::bucket::{give_back, lease, try_take, BucketState, Limits};
+use tollgate_core::bucket::{give_back, lease, shape, try_take, BucketState, Limits, Shaped};
 use tollgate_core::key::{escape_part, join_parts, local_bucket_id};
 use tollgate_core::policy::Policies;
 use tollgate_core::protocol::LeaseGranted;
+use tollgate_core::window::{self, CounterKind, Counters, Log, Window, MAX_LOG_LIMIT};
 
 struct Request {
     headers: HashMap<&'static str, Vec<u8>>,
@@ -109,6 +115,105 @@ fn bucket(c: &mut Criterion) {
     });
     g.bench_function("give_back", |b| {
         b.iter(|| black_box(give_back(&limits, black_box(state), 2_000, 10)))
+    });
+    g.finish();
+}
+
+/// One admitting decision per algorithm, each from the state a key at a steady rate has
+/// (1,000 units per 1,000 ms; the bucket's burst 100, shaping's `max_delay` 500 ms), so the
+/// names match the policy document's `algorithm` values.
+fn algorithms(c: &mut Criterion) {
+    let mut g = c.benchmark_group("algorithm");
+    let limits = Limits::new(1_000, 1_000, 100).unwrap();
+    let live = Some(BucketState {
+        tokens: 50.0,
+        updated_ms: 1_000,
+    });
+    const MAX_DELAY_MS: u64 = 500;
+    // Each bench checks its path once, untimed: every one measures an admission.
+    assert!(try_take(&limits, live, 1_001, 1).1.is_allowed());
+    assert!(matches!(
+        shape(&limits, live, 1_001, 1, MAX_DELAY_MS).1,
+        Shaped::Now { .. }
+    ));
+    let mut now = 1_000u64;
+    g.bench_function("token_bucket_try_take", |b| {
+        b.iter(|| {
+            now += 1;
+            black_box(try_take(&limits, black_box(live), now, 1))
+        })
+    });
+    g.bench_function("token_bucket_shape_now", |b| {
+        b.iter(|| {
+            now += 1;
+            black_box(shape(&limits, black_box(live), now, 1, MAX_DELAY_MS))
+        })
+    });
+    // Over the rate: 100 units already taken ahead (100 ms of refill), so the request's turn
+    // comes 101 ms from now, within `max_delay`.
+    let ahead = Some(BucketState {
+        tokens: -100.0,
+        updated_ms: 2_000,
+    });
+    assert_eq!(
+        shape(&limits, ahead, 2_000, 1, MAX_DELAY_MS).1,
+        Shaped::After { delay_ms: 101 }
+    );
+    g.bench_function("token_bucket_shape_delayed", |b| {
+        b.iter(|| {
+            black_box(shape(
+                &limits,
+                black_box(ahead),
+                black_box(2_000),
+                1,
+                MAX_DELAY_MS,
+            ))
+        })
+    });
+    // Half way through window 1 (1,000..2,000 ms): 300 counted in it, 400 in the one before
+    // (the sliding estimate: 300 + 400 × 0.5 = 500).
+    let w = Window::new(1_000, 1_000).unwrap();
+    let counters = Some(Counters {
+        window: 1,
+        count: 300,
+        previous: 400,
+    });
+    for (name, kind) in [
+        ("fixed_window_take", CounterKind::Fixed),
+        ("sliding_window_take", CounterKind::Sliding),
+    ] {
+        assert!(window::take(kind, &w, counters, 1_500, 1).1.is_allowed());
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                black_box(window::take(
+                    kind,
+                    &w,
+                    black_box(counters),
+                    black_box(1_500),
+                    1,
+                ))
+            })
+        });
+    }
+    // 200 entries 5 ms apart and a decision every 5 ms: at each the oldest entry leaves the
+    // window and the new one is logged, so the log stays at 200 of its 256 (a steady rate of
+    // 200 per window; no copy, no allocation).
+    let w = Window::new(MAX_LOG_LIMIT, 1_000).unwrap();
+    let mut log = Log {
+        times: (0..200).map(|i| 800 + 5 * i).collect(),
+        seen_ms: 1_795,
+    };
+    let mut now = 1_795u64;
+    for _ in 0..3 {
+        now += 5;
+        assert!(log.take(&w, now, 1).is_allowed());
+        assert_eq!(log.times.len(), 200);
+    }
+    g.bench_function("sliding_log_take_200_of_256", |b| {
+        b.iter(|| {
+            now += 5;
+            black_box(log.take(&w, now, 1))
+        })
     });
     g.finish();
 }
@@ -228,5 +333,5 @@ fn request_path(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bucket, matching, keys, request_path);
+criterion_group!(benches, bucket, algorithms, matching, keys, request_path);
 criterion_main!(benches);

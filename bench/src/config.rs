@@ -109,8 +109,13 @@ pub const ROUTE: &str = "GET /items/{id}";
 pub struct PolicyDoc<'a> {
     pub route: &'a str,
     pub scope: &'a str,
-    /// `(units per second, burst)`.
+    /// `(units, burst)`: `units` per [`Self::per`]; a windowed algorithm's document leaves the
+    /// burst out.
     pub rate: (u64, u64),
+    /// `rate.per` (`"1s"`; scenario 4l's sliding log counts over [`LOG_WINDOW`]).
+    pub per: &'a str,
+    /// `"algorithm"`; `None` leaves it out (the default, `token_bucket`).
+    pub algorithm: Option<&'a str>,
     pub on_unavailable: &'a str,
     /// `limiter.lease_max` (`1` turns batching off); `None` keeps the default.
     pub lease_max: Option<u64>,
@@ -132,6 +137,43 @@ pub const SETTLE_HEADER: &str = "x-usage-units";
 pub const SETTLE_RESERVED: u64 = 10;
 pub const SETTLE_ACTUAL: u64 = 1;
 
+/// Scenarios 4f, 4w and 4l: S4's policy counted by each windowed `algorithm`, reported next to
+/// S4 (the token bucket) from the same rounds. None may deny: the fixed and sliding windows
+/// keep S4's rate (a billion per 1 s window); a sliding log keeps one entry per unit, at most
+/// [`MAX_LOG_LIMIT`] (256) per window, so 4l's window is short instead (see [`LOG_WINDOW`]).
+pub const ALGORITHMS: [(&str, &str); 3] = [
+    ("4f", "fixed_window"),
+    ("4w", "sliding_window"),
+    ("4l", "sliding_log"),
+];
+
+/// Scenario 4l's window: [`MAX_LOG_LIMIT`] per 50 ms. The hottest of 100 Zipf tenants sends
+/// 1/H(100) = 19.3 % of the requests (see [`hottest_tenant_share`]): about 2,300 req/s at S4's
+/// ~11,700 (bench/results/latest.md), so ~113 per window, and 256 only once the whole load
+/// passes ~26,500 req/s ([`log_full_at_rps`]), above what one Envoy worker answers here even
+/// without a filter (S1, ~22,000). Short enough not to deny, long enough that the hottest log
+/// holds ~100 entries (a shorter one would measure a smaller log than the policy allows).
+pub const LOG_WINDOW: &str = "50ms";
+pub const LOG_WINDOW_MS: u64 = 50;
+pub use tollgate_core::window::MAX_LOG_LIMIT;
+
+/// The share of the requests the hottest tenant sends: wrk's Zipf-like distribution weighs
+/// rank `r` by `1/r` (`bench/wrk/tenants.lua`), so `1 / H(tenants)`; uniform, `1 / tenants`.
+pub fn hottest_tenant_share(tenants: u32, zipf: bool) -> f64 {
+    let tenants = tenants.max(1);
+    if zipf {
+        1.0 / (1..=tenants).map(|r| 1.0 / f64::from(r)).sum::<f64>()
+    } else {
+        1.0 / f64::from(tenants)
+    }
+}
+
+/// Total req/s at which the hottest tenant sends, on average, [`MAX_LOG_LIMIT`] per
+/// [`LOG_WINDOW`]: scenario 4l's sliding log denies only beyond it.
+pub fn log_full_at_rps(tenants: u32, zipf: bool) -> f64 {
+    MAX_LOG_LIMIT as f64 * 1_000.0 / LOG_WINDOW_MS as f64 / hottest_tenant_share(tenants, zipf)
+}
+
 /// The shipped global config's failure mode.
 pub const SHIPPED_FAILURE: &str =
     r#"{ "mode": "local", "share": 0.34, "stale_ttl": "30s", "then": "closed" }"#;
@@ -145,6 +187,8 @@ impl PolicyDoc<'_> {
             route,
             scope: "local",
             rate: HUGE,
+            per: "1s",
+            algorithm: None,
             on_unavailable: CLOSED,
             lease_max: None,
             lease_horizon: None,
@@ -158,6 +202,8 @@ impl PolicyDoc<'_> {
             route: ROUTE,
             scope: "global",
             rate: HUGE,
+            per: "1s",
+            algorithm: None,
             on_unavailable: SHIPPED_FAILURE,
             lease_max,
             lease_horizon: None,
@@ -176,8 +222,26 @@ impl PolicyDoc<'_> {
         }
     }
 
+    /// The same policy counted by `algorithm` (`fixed_window`, `sliding_window`: its rate per
+    /// its window, no burst; `sliding_log`: [`MAX_LOG_LIMIT`] per [`LOG_WINDOW`]).
+    pub fn counted_by(self, algorithm: &'static str) -> Self {
+        let log = algorithm == "sliding_log";
+        PolicyDoc {
+            algorithm: Some(algorithm),
+            rate: if log { (MAX_LOG_LIMIT, 0) } else { self.rate },
+            per: if log { LOG_WINDOW } else { self.per },
+            ..self
+        }
+    }
+
     pub fn json(&self) -> String {
         let (units, burst) = self.rate;
+        // A windowed algorithm admits `rate.units` per `rate.per` and takes no burst.
+        let counting = match self.algorithm {
+            Some(a) if a != "token_bucket" => format!("\n    \"algorithm\": \"{a}\","),
+            Some(a) => format!("\n    \"algorithm\": \"{a}\",\n    \"burst\": {burst},"),
+            None => format!("\n    \"burst\": {burst},"),
+        };
         let cost = self
             .cost
             .map(|c| format!("\n    \"cost\": {{ \"{}\": {c} }},", self.route))
@@ -207,14 +271,14 @@ impl PolicyDoc<'_> {
     "match": {{ "routes": ["{route}"] }},
     "key": [{{ "header": "x-tenant-id" }}],
     "on_missing_key": "deny",
-    "rate": {{ "units": {units}, "per": "1s" }},
-    "burst": {burst},{cost}
+    "rate": {{ "units": {units}, "per": "{per}" }},{counting}{cost}
     "scope": "{scope}",
     "on_unavailable": {failure},
     "enforce": true{settle}
   }}]{limiter}
 }}"#,
             route = self.route,
+            per = self.per,
             scope = self.scope,
             failure = self.on_unavailable,
         )
@@ -241,6 +305,7 @@ pub fn contrasting_horizon(default_ms: u64) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tollgate_core::duration::Millis;
     use tollgate_core::policy::Policies;
 
     fn shipped(name: &str) -> String {
@@ -335,6 +400,10 @@ mod tests {
             },
             PolicyDoc::local(ROUTE).settling(),
             PolicyDoc::global(None).settling(),
+            PolicyDoc::local(ROUTE).counted_by("fixed_window"),
+            PolicyDoc::local(ROUTE).counted_by("sliding_window"),
+            PolicyDoc::local(ROUTE).counted_by("sliding_log"),
+            PolicyDoc::local(ROUTE).counted_by("token_bucket"),
         ] {
             let json = doc.json();
             let parsed = Policies::from_json(json.as_bytes());
@@ -377,5 +446,53 @@ mod tests {
             "{plain}"
         );
         const { assert!(SETTLE_ACTUAL < SETTLE_RESERVED, "the bench must refund") };
+    }
+
+    #[test]
+    fn windowed_policies_name_their_algorithm_and_leave_the_burst_out() {
+        use tollgate_core::policy::Algorithm;
+        for (id, algorithm) in ALGORITHMS {
+            let json = PolicyDoc::local(ROUTE).counted_by(algorithm).json();
+            assert!(
+                json.contains(&format!(r#""algorithm": "{algorithm}","#)),
+                "{id}: {json}"
+            );
+            assert!(!json.contains("burst"), "{id}: {json}");
+            let parsed = Policies::from_json(json.as_bytes()).ok();
+            let policy = parsed.as_ref().and_then(|p| p.policies.first());
+            let (name, window) = policy
+                .map(|p| (p.algorithm.name(), p.algorithm.window().copied()))
+                .unwrap_or(("none", None));
+            assert_eq!(name, algorithm, "{id}");
+            let window = window.map(|w| (w.limit, w.window_ms));
+            if algorithm == "sliding_log" {
+                assert_eq!(window, Some((MAX_LOG_LIMIT, LOG_WINDOW_MS)), "{id}");
+                assert!(json.contains(r#""rate": { "units": 256, "per": "50ms" },"#));
+            } else {
+                // S4's never-denying rate, as the window's limit.
+                assert_eq!(window, Some((HUGE.0, 1_000)), "{id}");
+            }
+        }
+        // The token bucket keeps its burst, named or not.
+        let named = PolicyDoc::local(ROUTE).counted_by("token_bucket").json();
+        assert!(named.contains(r#""burst": 1000000000,"#), "{named}");
+        let parsed = Policies::from_json(named.as_bytes()).ok();
+        let policy = parsed.as_ref().and_then(|p| p.policies.first());
+        assert!(policy.is_some_and(|p| p.algorithm == Algorithm::TokenBucket));
+        assert!(Millis::parse(LOG_WINDOW).is_ok_and(|m| m.0 == LOG_WINDOW_MS));
+    }
+
+    #[test]
+    fn the_log_window_holds_the_hottest_tenant_at_full_load() {
+        // 1 / H(100) = 1 / 5.187...
+        let share = hottest_tenant_share(100, true);
+        assert!((share - 0.1928).abs() < 1e-3, "{share}");
+        assert!((hottest_tenant_share(100, false) - 0.01).abs() < 1e-12);
+        assert!((hottest_tenant_share(1, true) - 1.0).abs() < 1e-12);
+        // 256 per 50 ms for 19.3 % of the load: ~26,500 req/s in all, above S1 (an Envoy
+        // worker with no filter, ~22,000 req/s on the bench machine).
+        let full = log_full_at_rps(100, true);
+        assert!((full - 256.0 * 20.0 / share).abs() < 1e-6, "{full}");
+        assert!(full > 25_000.0, "{full}");
     }
 }

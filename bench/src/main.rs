@@ -15,18 +15,23 @@
 //!      actual cost is settled from the `x-usage-units` response header (1, added to every
 //!      answer by the route), so every request is refunded 9; reported next to 4 and 5 from
 //!      the same rounds, and the run fails when the filter settled no units
+//!   4f, 4w, 4l: 4 counted by `fixed_window`, `sliding_window` and `sliding_log` instead of the
+//!      token bucket (`burst` left out, as windowed policies require); reported next to 4 from
+//!      the same rounds with what the filter denied. The windows keep 4's rate (a billion per
+//!      1 s); the log, at most 256 per window, counts over 50 ms (`config::LOG_WINDOW`: the
+//!      hottest of 100 Zipf tenants fills it only past ~26,500 req/s in all)
 //!   1u, 5u: 1 and 5 against a real HTTP upstream instead of a direct response
 //!   7  over limit: two Envoys, one global policy, paced demand per key at 3 × the rate split
 //!      evenly, 10 × split evenly and 10 × split 3:1, by a Rust load generator (`paced.rs`:
 //!      per-answer status and latency, which wrk cannot give)
-//! 1–6, 4s, 5s and 5t never deny. Every process is killed when the driver exits (the harness
-//! ties children to it), also on Ctrl-C.
+//! 1–6, 4s, 5s, 4f, 4w, 4l and 5t never deny (4l's report line says so if it did). Every
+//! process is killed when the driver exits (the harness ties children to it), also on Ctrl-C.
 //!
 //! Flags: --rounds N (3) --seconds S (5) --warmup S (2) --connections N (64) --threads N (1)
 //! --concurrency N (Envoy workers, 1) --tenants N (100) --distribution zipf|uniform (zipf)
-//! --only 1,2,5 (scenario ids, e.g. `--only 5,5t` or `--only 4,4s,5,5s`; 7 for the over-limit
-//! run) --s7-seconds S (8, per variant and round: 3 rounds take about 80 s) --out DIR
-//! (bench/results) --no-write (print only).
+//! --only 1,2,5 (scenario ids, e.g. `--only 5,5t`, `--only 4,4s,5,5s` or `--only 4,4f,4w,4l`; 7
+//! for the over-limit run) --s7-seconds S (8, per variant and round: 3 rounds take about 80 s)
+//! --out DIR (bench/results) --no-write (print only).
 
 #![allow(clippy::expect_used, clippy::panic)]
 
@@ -37,7 +42,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tollgate_bench::config::{
-    self, PolicyDoc, CLOSED, ROUTE, SETTLE_ACTUAL, SETTLE_HEADER, SETTLE_RESERVED,
+    self, PolicyDoc, ALGORITHMS, CLOSED, LOG_WINDOW, MAX_LOG_LIMIT, ROUTE, SETTLE_ACTUAL,
+    SETTLE_HEADER, SETTLE_RESERVED,
 };
 use tollgate_bench::micro;
 use tollgate_bench::paced;
@@ -133,6 +139,8 @@ struct Env {
     limiter: Option<Limiter>,
     /// Its policy settles the actual cost (4s, 5s): the run checks that units were settled.
     settles: bool,
+    /// Its policy names a windowed algorithm (4f, 4w, 4l): the filter's denials are reported.
+    algorithm: Option<&'static str>,
 }
 
 #[derive(Clone, Copy)]
@@ -163,7 +171,19 @@ fn specs() -> Vec<Spec> {
             SETTLE_RESERVED - SETTLE_ACTUAL
         )
     };
-    vec![
+    let spec_of = |id: &'static str, algorithm: &'static str| Spec {
+        id,
+        title: if algorithm == "sliding_log" {
+            format!("4 counted by `{algorithm}` ({MAX_LOG_LIMIT} per {LOG_WINDOW}, no burst)")
+        } else {
+            format!("4 counted by `{algorithm}` (10⁹ per 1 s window, no burst)")
+        },
+        filter: Filter::Tollgate,
+        policy: Some(PolicyDoc::local(ROUTE).counted_by(algorithm)),
+        upstream: false,
+        mtls: false,
+    };
+    let mut specs = vec![
         Spec {
             id: "1",
             title: "Envoy, no rate-limit filter (ceiling)".into(),
@@ -263,7 +283,19 @@ fn specs() -> Vec<Spec> {
             upstream: true,
             mtls: false,
         },
-    ]
+    ];
+    // 4f, 4w and 4l go beside 4 and 4s.
+    let after_4s = specs
+        .iter()
+        .position(|s| s.id == "4s")
+        .map_or(specs.len(), |i| i + 1);
+    specs.splice(
+        after_4s..after_4s,
+        ALGORITHMS
+            .iter()
+            .map(|&(id, algorithm)| spec_of(id, algorithm)),
+    );
+    specs
 }
 
 fn start_redis(label: &str) -> RedisServer {
@@ -347,6 +379,7 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
         redis,
         limiter,
         settles: settle_header.is_some(),
+        algorithm: spec.policy.as_ref().and_then(|p| p.algorithm),
     }
 }
 
@@ -900,7 +933,7 @@ fn main() {
     for (env, sc) in envs.iter().zip(scenarios.iter_mut()) {
         sc.envoy_peak_rss = peak_rss(env.envoy.pid());
         sc.limiter_peak_rss = env.limiter.as_ref().and_then(|l| peak_rss(l.pid()));
-        if env.redis.is_some() || env.settles {
+        if env.redis.is_some() || env.settles || env.algorithm.is_some() {
             sc.counters = filter_counters(&env.envoy, env.limiter.as_ref());
         }
     }
@@ -923,6 +956,26 @@ fn main() {
             sc.counter("units_debt"),
             sc.counter("usage_missing"),
             sc.counter("limiter_units_settled"),
+        );
+    }
+    // The windowed policies must not deny either (the log's window is sized for that): what
+    // the filter refused, warm-up included, and what wrk saw in the measured runs.
+    for (env, sc) in envs.iter().zip(&scenarios) {
+        let Some(algorithm) = env.algorithm else {
+            continue;
+        };
+        eprintln!(
+            "  S{} ({algorithm}): {} of {} decided requests denied by the filter (warm-up \
+             included), {} responses ≥ 400 in the measured runs{}",
+            env.id,
+            sc.counter("denied"),
+            sc.counter("decided"),
+            sc.non_2xx(),
+            if sc.counter("denied") + sc.non_2xx() > 0 {
+                "  [DENIED: see the report line]"
+            } else {
+                ""
+            }
         );
     }
     drop(envs);

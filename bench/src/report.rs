@@ -20,7 +20,7 @@ pub struct Run {
 /// Everything measured for one scenario.
 #[derive(Debug, Clone, Default)]
 pub struct Scenario {
-    /// `1`..`6`, `4s`, `5s`, `5h`, `5t`, `1u`, `5u`.
+    /// `1`..`6`, `4s`, `5s`, `4f`, `4w`, `4l`, `5h`, `5t`, `1u`, `5u`.
     pub id: String,
     pub title: String,
     pub runs: Vec<Run>,
@@ -303,6 +303,46 @@ impl SettleComparison {
     }
 }
 
+/// The scenarios that count S4's policy by a windowed algorithm (4f, 4w, 4l), each with its
+/// algorithm; each is compared with S4 (the token bucket).
+pub use crate::config::ALGORITHMS;
+
+/// A windowed scenario (4f, 4w, 4l: S4's policy with `algorithm` set, no burst) next to S4,
+/// each ratio the median of per-round ratios of runs made in the same rounds; and what was
+/// denied (nothing should be: the policies are sized never to deny).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AlgorithmComparison {
+    /// `4f`, `4w` or `4l`, and its `algorithm`.
+    pub id: String,
+    pub algorithm: String,
+    /// Rounds in which both it and S4 ran.
+    pub rounds: usize,
+    pub rps: Option<f64>,
+    /// Its req/s over S4's in each of those rounds.
+    pub rps_per_round: Vec<f64>,
+    pub p50: Option<f64>,
+    pub p99: Option<f64>,
+    /// Envoy CPU per request over S4's.
+    pub envoy_cpu: Option<f64>,
+    /// The filter's counters over the whole run (warm-up included): requests decided, and
+    /// refused (429).
+    pub decided: u64,
+    pub denied: u64,
+    /// Responses other than 200 in the measured runs (wrk).
+    pub non_2xx: u64,
+    /// Sliding log only: the hottest tenant's share of the requests, and what it sent per
+    /// log window at the scenario's median req/s (to set against `MAX_LOG_LIMIT`).
+    pub hottest_share: Option<f64>,
+    pub hottest_per_window: Option<f64>,
+}
+
+impl AlgorithmComparison {
+    /// Whether anything was denied (by the filter's count or by wrk's).
+    pub fn denied_any(&self) -> bool {
+        self.denied > 0 || self.non_2xx > 0
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Report {
     pub setup: Setup,
@@ -524,6 +564,46 @@ impl Report {
         SETTLING
             .iter()
             .filter_map(|(id, base)| self.settlement(id, base))
+            .collect()
+    }
+
+    /// Scenario `id` (4f, 4w, 4l), counted by `algorithm`, next to S4; `None` unless both ran.
+    pub fn algorithm(&self, id: &str, algorithm: &str) -> Option<AlgorithmComparison> {
+        let (s4, sa) = (self.scenario("4")?, self.scenario(id)?);
+        let rounds = sa
+            .runs
+            .iter()
+            .filter(|r| s4.runs.iter().any(|b| b.round == r.round))
+            .count();
+        let hottest_share = (algorithm == "sliding_log").then(|| {
+            let zipf = self.setup.distribution != "uniform";
+            crate::config::hottest_tenant_share(self.setup.tenants, zipf)
+        });
+        let window_s = crate::config::LOG_WINDOW_MS as f64 / 1e3;
+        Some(AlgorithmComparison {
+            id: id.into(),
+            algorithm: algorithm.into(),
+            rounds,
+            rps: self.rps_ratio(id, "4"),
+            rps_per_round: self.per_round(id, "4", Measured::rps),
+            p50: self.p50_ratio(id, "4"),
+            p99: self.p99_ratio(id, "4"),
+            envoy_cpu: self.cpu_ratio(id, "4"),
+            decided: sa.counter("decided"),
+            denied: sa.counter("denied"),
+            non_2xx: sa.non_2xx(),
+            hottest_share,
+            hottest_per_window: hottest_share
+                .zip(sa.rps())
+                .map(|(share, rps)| share * rps * window_s),
+        })
+    }
+
+    /// Every windowed scenario that ran next to S4, in [`ALGORITHMS`] order.
+    pub fn algorithms(&self) -> Vec<AlgorithmComparison> {
+        ALGORITHMS
+            .iter()
+            .filter_map(|(id, algorithm)| self.algorithm(id, algorithm))
             .collect()
     }
 
@@ -751,7 +831,7 @@ impl Report {
             }
         }
         if let (Some(cpu4), Some(cpu5)) = (self.cpu_ratio("4", "3"), self.cpu_ratio("5", "3")) {
-            let more: String = ["4s", "5s", "5t"]
+            let more: String = ["4s", "4f", "4w", "4l", "5s", "5t"]
                 .iter()
                 .filter_map(|id| self.cpu_ratio(id, "3").map(|r| format!(", S{id} {r:.2}")))
                 .collect();
@@ -833,6 +913,57 @@ impl Report {
                 refunded_pr = per_request(c.refunded),
                 debt = c.debt,
                 missing = c.missing,
+            ));
+        }
+        for c in self.algorithms() {
+            let num = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.2}"));
+            let per_round: Vec<String> =
+                c.rps_per_round.iter().map(|r| format!("{r:.2}")).collect();
+            let window = crate::config::LOG_WINDOW;
+            let limit = crate::config::MAX_LOG_LIMIT;
+            // The sliding log's window against the hottest tenant's traffic.
+            let log = match (c.hottest_share, c.hottest_per_window) {
+                (Some(share), Some(sent)) => format!(
+                    " The log keeps at most {limit} entries per {window} window: the hottest \
+                     tenant ({pct:.1} % of the requests) sent about {sent:.0} per window at \
+                     S{id}'s median req/s, and would fill it only past {full:.0} req/s in all.",
+                    pct = share * 100.0,
+                    id = c.id,
+                    full = limit as f64 * 1e3 / crate::config::LOG_WINDOW_MS as f64 / share,
+                ),
+                _ => String::new(),
+            };
+            let denials = format!(
+                "the filter denied {} of {} decided requests (warm-up included), {} measured \
+                 responses were not 200",
+                c.denied, c.decided, c.non_2xx
+            );
+            let verdict = if !c.denied_any() {
+                format!(" Nothing was denied: {denials}.")
+            } else if c.algorithm == "sliding_log" {
+                format!(
+                    " **Denials: {denials}. At this load the hottest tenant sent more than \
+                     {limit} per {window} (the most a sliding log holds), so these ratios are of \
+                     a run that denied, not of a never-denying one.**"
+                )
+            } else {
+                format!(
+                    " **Denials: {denials}, though the policy admits 10⁹ per 1 s window: these \
+                     ratios are of a run that denied.**"
+                )
+            };
+            md.push_str(&format!(
+                "- S{id} (S4 counted by `{algorithm}` instead of the token bucket, no burst) \
+                 relative to S4, measured in the same {rounds} rounds: req/s {rps} (per round: \
+                 {per_round}), p50 {p50}, p99 {p99}, Envoy CPU per request {cpu}.{log}{verdict}\n",
+                id = c.id,
+                algorithm = c.algorithm,
+                rounds = c.rounds,
+                rps = num(c.rps),
+                per_round = per_round.join(", "),
+                p50 = num(c.p50),
+                p99 = num(c.p99),
+                cpu = num(c.envoy_cpu),
             ));
         }
         if let Some(first) = self.over_limit.first() {
@@ -1065,6 +1196,29 @@ impl Report {
                 })
             })
             .collect();
+        let algorithms: Vec<Value> = self
+            .algorithms()
+            .iter()
+            .map(|c| {
+                json!({
+                    "id": c.id,
+                    "base": "4",
+                    "algorithm": c.algorithm,
+                    "rounds": c.rounds,
+                    "rps_ratio_to_s4": c.rps,
+                    "rps_ratio_to_s4_per_round": c.rps_per_round,
+                    "p50_ratio_to_s4": c.p50,
+                    "p99_ratio_to_s4": c.p99,
+                    "envoy_cpu_ratio_to_s4": c.envoy_cpu,
+                    "decided": c.decided,
+                    "denied": c.denied,
+                    "non_2xx": c.non_2xx,
+                    "denied_any": c.denied_any(),
+                    "hottest_tenant_share": c.hottest_share,
+                    "hottest_tenant_per_log_window": c.hottest_per_window,
+                })
+            })
+            .collect();
         json!({
             "setup": {
                 "date": s.date,
@@ -1082,6 +1236,7 @@ impl Report {
             "scenarios": scenarios,
             "mtls": mtls,
             "settlement": settlement,
+            "algorithms": algorithms,
             "over_limit": over_limit,
             "targets": targets,
         })
@@ -1153,6 +1308,158 @@ mod tests {
         );
         assert!(!md.contains("+ settlement"), "{md}");
         assert_eq!(report.settlements(), Vec::new());
+        // Nor did the windowed ones: no line, no target.
+        assert!(!md.contains("counted by"), "{md}");
+        assert_eq!(report.algorithms(), Vec::new());
+        assert_eq!(report.json()["algorithms"], serde_json::json!([]));
+    }
+
+    #[test]
+    fn windowed_algorithms_are_compared_with_s4_in_the_same_rounds() {
+        let scenario = |id: &str, runs: Vec<Run>| Scenario {
+            id: id.into(),
+            runs,
+            counters: vec![("decided".into(), 2000), ("denied".into(), 0)],
+            ..Scenario::default()
+        };
+        // 4l's Envoy spends a fifth more CPU per request than 4's.
+        let costlier = |mut r: Run| {
+            r.envoy_cpu_s = Some(r.measured.requests as f64 * 1.2e-5);
+            r
+        };
+        let mut report = Report {
+            setup: Setup {
+                tenants: 100,
+                distribution: "Zipf-like, weight 1/rank".into(),
+                ..Setup::default()
+            },
+            scenarios: vec![
+                scenario("3", vec![run(0, 1000, 100), run(1, 1000, 100)]),
+                scenario("4", vec![run(0, 1000, 100), run(1, 1000, 100)]),
+                scenario("4f", vec![run(0, 990, 100), run(1, 1010, 100)]),
+                scenario("4w", vec![run(0, 950, 110), run(1, 970, 100)]),
+                scenario(
+                    "4l",
+                    vec![costlier(run(0, 900, 120)), costlier(run(1, 880, 120))],
+                ),
+                scenario("5", vec![run(0, 900, 100), run(1, 900, 100)]),
+            ],
+            ..Report::default()
+        };
+        let c = report.algorithms();
+        let ids: Vec<(&str, &str, usize)> = c
+            .iter()
+            .map(|c| (c.id.as_str(), c.algorithm.as_str(), c.rounds))
+            .collect();
+        assert_eq!(
+            ids,
+            vec![
+                ("4f", "fixed_window", 2),
+                ("4w", "sliding_window", 2),
+                ("4l", "sliding_log", 2)
+            ]
+        );
+        let (f, w, l) = (&c[0], &c[1], &c[2]);
+        // Per-round ratios 0.99 and 1.01; 0.95 and 0.97; 0.90 and 0.88.
+        assert!((f.rps.unwrap_or(0.0) - 1.0).abs() < 1e-9, "{f:?}");
+        assert!((w.rps.unwrap_or(0.0) - 0.96).abs() < 1e-9, "{w:?}");
+        assert!((l.rps.unwrap_or(0.0) - 0.89).abs() < 1e-9, "{l:?}");
+        assert_eq!(l.rps_per_round.len(), 2);
+        assert!((w.p99.unwrap_or(0.0) - 1.05).abs() < 1e-9, "{w:?}");
+        assert_eq!(f.envoy_cpu, Some(1.0));
+        assert!((l.envoy_cpu.unwrap_or(0.0) - 1.2).abs() < 1e-9, "{l:?}");
+        assert!(!c.iter().any(AlgorithmComparison::denied_any));
+        // Only the log is set against the hottest tenant: 1 / H(100) of 890 req/s, per 50 ms.
+        assert_eq!((f.hottest_share, w.hottest_per_window), (None, None));
+        let share = l.hottest_share.unwrap_or(0.0);
+        assert!((share - 0.1928).abs() < 1e-3, "{share}");
+        let sent = l.hottest_per_window.unwrap_or(0.0);
+        assert!((sent - share * 890.0 * 0.05).abs() < 1e-9, "{sent}");
+
+        let md = report.markdown();
+        assert!(
+            md.contains("| 4f |") && md.contains("| 4w |") && md.contains("| 4l |"),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "- S4f (S4 counted by `fixed_window` instead of the token bucket, no burst) \
+                 relative to S4, measured in the same 2 rounds: req/s 1.00 (per round: 0.99, \
+                 1.01), p50 –, p99 1.00, Envoy CPU per request 1.00. Nothing was denied: the \
+                 filter denied 0 of 2000 decided requests (warm-up included), 0 measured \
+                 responses were not 200.\n"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("- S4w (S4 counted by `sliding_window` instead of the token bucket"),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "req/s 0.89 (per round: 0.90, 0.88), p50 –, p99 1.20, Envoy CPU per request \
+                 1.20. The log keeps at most 256 entries per 50ms window: the hottest tenant \
+                 (19.3 % of the requests) sent about 9 per window at S4l's median req/s, and \
+                 would fill it only past 26559 req/s in all. Nothing was denied"
+            ),
+            "{md}"
+        );
+        // Envoy CPU next to S3's lists them too.
+        assert!(
+            md.contains("S4 1.00, S5 1.00, S4f 1.00, S4w 1.00, S4l 1.20."),
+            "{md}"
+        );
+        // No target of their own: the ratios are reported, not judged.
+        assert!(!report.targets().iter().any(|t| t.0.contains("S4f")));
+        let json = report.json();
+        assert_eq!(json["algorithms"].as_array().map(Vec::len), Some(3));
+        assert_eq!(json["algorithms"][0]["id"], "4f");
+        assert_eq!(json["algorithms"][2]["algorithm"], "sliding_log");
+        assert_eq!(json["algorithms"][2]["denied_any"], false);
+        assert_eq!(json["algorithms"][2]["envoy_cpu_ratio_to_s4"], 1.2);
+        assert_eq!(
+            json["scenarios"][3]["ratio_to_s4"],
+            json["algorithms"][1]["rps_ratio_to_s4"]
+        );
+        assert!(json["algorithms"][0]["hottest_tenant_share"].is_null());
+
+        // A log that denied says so in its line (the filter's count and wrk's), and so does a
+        // window that should never have.
+        for sc in report.scenarios.iter_mut() {
+            match sc.id.as_str() {
+                "4l" => sc.counters = vec![("decided".into(), 2000), ("denied".into(), 5)],
+                "4f" => sc.runs[1].measured.non_2xx = 3,
+                _ => {}
+            }
+        }
+        let md = report.markdown();
+        assert!(
+            md.contains(
+                "**Denials: the filter denied 5 of 2000 decided requests (warm-up included), 0 \
+                 measured responses were not 200. At this load the hottest tenant sent more than \
+                 256 per 50ms (the most a sliding log holds), so these ratios are of a run that \
+                 denied, not of a never-denying one.**"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains(
+                "**Denials: the filter denied 0 of 2000 decided requests (warm-up included), 3 \
+                 measured responses were not 200, though the policy admits 10⁹ per 1 s window"
+            ),
+            "{md}"
+        );
+        // 4w denied nothing: its line is unchanged.
+        assert!(
+            md.contains(
+                "Envoy CPU per request 1.00. Nothing was denied: the filter denied 0 of 2000 \
+                 decided requests (warm-up included), 0 measured responses were not 200.\n- S4l"
+            ),
+            "{md}"
+        );
+        assert_eq!(report.json()["algorithms"][2]["denied"], 5);
+        report.scenarios.retain(|s| s.id != "4");
+        assert_eq!(report.algorithms(), Vec::new());
     }
 
     #[test]
