@@ -10,7 +10,7 @@ use crate::request::{RequestFacts, RequestSource};
 use crate::response_usage::ResponseUsage;
 use crate::shared::{HostSharedData, SharedData, WriteError};
 use crate::table::SlotTable;
-use crate::worker::{shaped_ids, Admitted, Ctx, Host, Worker};
+use crate::worker::{no_room_reply, shaped_ids, Admitted, Ctx, Host, Worker};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
@@ -405,6 +405,13 @@ impl Http {
                         )
                     });
                     if slept {
+                        self.held = true;
+                        return Action::Pause;
+                    }
+                    // No room to pause it: refused rather than sent before its turn (its cost
+                    // stays taken: under-use, never a burst past the rate).
+                    let reply = no_room_reply(engine, &decision.delayed, decision.delay_ms);
+                    if send_reply(&reply) {
                         self.held = true;
                         return Action::Pause;
                     }

@@ -745,16 +745,18 @@ impl Worker {
                     admitted.resumed = true;
                 }
                 let shaped = shaped_ids(ctx.engine, &waiter.plan);
-                if decision.delay_ms == 0
-                    || !self.sleep(
-                        context_id,
-                        ctx.now_ms + decision.delay_ms,
-                        shaped,
-                        waiter.admitted.clone(),
-                        ctx.host,
-                    )
-                {
+                if decision.delay_ms == 0 {
                     ctx.host.resume(context_id);
+                } else if !self.sleep(
+                    context_id,
+                    ctx.now_ms + decision.delay_ms,
+                    shaped,
+                    waiter.admitted.clone(),
+                    ctx.host,
+                ) {
+                    // No room to pause it: refused rather than sent before its turn.
+                    let reply = no_room_reply(ctx.engine, &decision.delayed, decision.delay_ms);
+                    ctx.host.reply(context_id, &reply);
                 }
             }
             Verdict::Reply(reply) => {
@@ -800,6 +802,16 @@ impl Worker {
             self.ticking = want;
         }
     }
+}
+
+/// The 429 of a shaped request the worker has no room to pause (its cost stays taken:
+/// under-use, never a burst past the rate).
+pub fn no_room_reply(engine: &Engine, delayed: &[usize], delay_ms: u64) -> LocalReply {
+    let policy = delayed
+        .first()
+        .and_then(|i| engine.policy(*i))
+        .map_or("", |p| p.name.as_str());
+    tollgate_core::response::no_room_to_wait(policy, delay_ms)
 }
 
 /// The bucket ids of a plan's shaped policies.

@@ -125,6 +125,20 @@ pub fn limiter_unavailable(policy: &str) -> LocalReply {
     }
 }
 
+/// The 429 of a shaped request that could not be paused for its turn (the worker holds as many
+/// paused requests as it may): its turn was `wait_ms` away.
+pub fn no_room_to_wait(policy: &str, wait_ms: u64) -> LocalReply {
+    let retry_after = seconds_ceil(wait_ms).max(1);
+    LocalReply {
+        status: 429,
+        headers: vec![
+            ("retry-after".into(), retry_after.to_string()),
+            ("content-type".into(), "application/json".into()),
+        ],
+        body: json_body("rate limit exceeded", policy, Some(retry_after)),
+    }
+}
+
 /// The 429 of `max_in_flight`: the key has as many requests in flight as the policy allows.
 /// When one ends is unknown, so `Retry-After` says one second.
 pub fn too_many_in_flight(policy: &str) -> LocalReply {

@@ -717,3 +717,42 @@ fn settled_units_ride_on_the_next_callout_of_global_policies_only() {
     let batch: LeaseBatch = serde_json::from_slice(&sent[0].2).unwrap();
     assert_eq!(batch.settled.get("g"), Some(&8));
 }
+
+#[test]
+fn shaped_requests_sleep_until_their_turn_and_wake_in_order() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"open"}"#, 100));
+    let host = FakeHost::default();
+    for (context, wake) in [(7, 300), (5, 100), (6, 200)] {
+        assert!(rig
+            .worker
+            .sleep(context, wake, vec!["g:a".into()], Default::default(), &host));
+    }
+    assert_eq!(
+        host.tick.get(),
+        TICK_MS,
+        "the tick runs while someone sleeps"
+    );
+    assert_eq!(rig.worker.sleeping("g:a"), 3);
+    assert_eq!(rig.worker.sleeping("g:b"), 0);
+    rig.tick(150);
+    assert_eq!(*rig.host.resumed.borrow(), vec![5]);
+    rig.tick(1_000);
+    assert_eq!(*rig.host.resumed.borrow(), vec![5, 6, 7]);
+    assert_eq!(rig.worker.sleeping("g:a"), 0);
+    // A request gone before its turn is forgotten, never resumed.
+    assert!(rig
+        .worker
+        .sleep(9, 2_000, vec!["g:a".into()], Default::default(), &host));
+    rig.worker.forget(9);
+    rig.tick(3_000);
+    assert_eq!(*rig.host.resumed.borrow(), vec![5, 6, 7]);
+    // The worker pauses at most MAX_WAITERS requests.
+    for context in 0..MAX_WAITERS as u32 {
+        assert!(rig
+            .worker
+            .sleep(100 + context, 9_000, vec![], Default::default(), &host));
+    }
+    assert!(!rig
+        .worker
+        .sleep(1, 9_000, vec![], Default::default(), &host));
+}
