@@ -258,6 +258,44 @@ pub fn envoy_config(
     format!("{head}{indented}{tail}\n  clusters:\n{clusters}")
 }
 
+/// One global policy `name` per tenant (`x-tenant-id`) on `GET /items/{id}`, failing
+/// `closed` (a callout that fails shows as a 503), with the limiter's callout `timeout`.
+pub fn per_tenant_items_policy(
+    name: &str,
+    units: u64,
+    per: &str,
+    burst: u64,
+    timeout: &str,
+) -> String {
+    format!(
+        r#"{{
+  "policies": [{{
+    "name": "{name}",
+    "match": {{ "routes": ["GET /items/{{id}}"] }},
+    "key": [{{ "header": "x-tenant-id" }}],
+    "rate": {{ "units": {units}, "per": "{per}" }},
+    "burst": {burst},
+    "scope": "global",
+    "on_unavailable": {{ "mode": "closed" }}
+  }}],
+  "limiter": {{ "cluster": "tollgate_limiter", "timeout": "{timeout}" }}
+}}"#
+    )
+}
+
+/// `GET /items/<i>` for `tenant` (the route of [`per_tenant_items_policy`]).
+pub fn item(tenant: &str, i: usize) -> crate::RequestSpec {
+    crate::RequestSpec::get(format!("/items/{i}")).header("x-tenant-id", tenant)
+}
+
+/// A per-policy filter metric of `envoy`: `tollgate_<what>{policy="<policy>"}` (0 if absent).
+pub fn policy_metric(envoy: &crate::Envoy, what: &str, policy: &str) -> u64 {
+    prometheus_value(
+        &envoy.stats_prometheus(),
+        &format!("tollgate_{what}{{policy=\"{policy}\"}}"),
+    ) as u64
+}
+
 /// Starts Envoy on a rendered config (`envoy_config`) with `workers` workers, logging
 /// warnings; returns it with the port of its `ingress` listener.
 pub fn start_ingress(config: String, workers: u32) -> (crate::Envoy, u16) {

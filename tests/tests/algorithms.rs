@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use tollgate_e2e::tollgate::{envoy_config, prometheus_value, start_ingress};
+use tollgate_e2e::tollgate::{envoy_config, policy_metric, start_ingress};
 use tollgate_e2e::{burst, send, Envoy, RequestSpec, Upstream};
 
 const WORKERS: u32 = 4;
@@ -58,9 +58,7 @@ async fn a_concurrent_burst_admits_exactly_the_limit_of_each_algorithm() {
             let retry: u64 = denied.header("retry-after").unwrap().parse().unwrap();
             assert!((1..=3_600).contains(&retry), "{route}: Retry-After {retry}");
         }
-        let text = envoy.stats_prometheus();
-        let allowed = prometheus_value(&text, &format!("tollgate_allowed{{policy=\"{route}\"}}"));
-        assert_eq!(allowed as u64, 40, "{route}");
+        assert_eq!(policy_metric(&envoy, "allowed", route), 40, "{route}");
     }
     assert_eq!(upstream.requests(), 4 * 2 * 20);
 }
@@ -138,8 +136,7 @@ async fn shaping_spaces_requests_at_the_rate_and_refuses_past_max_delay() {
             "a request waited {waited:?}, past max_delay"
         );
     }
-    let text = envoy.stats_prometheus();
-    let delayed = prometheus_value(&text, "tollgate_delayed{policy=\"shaped\"}") as usize;
+    let delayed = policy_metric(&envoy, "delayed", "shaped") as usize;
     assert!(delayed + 1 >= admitted.len() - 2, "{delayed} delayed");
     assert!(envoy.memory_allocated() < memory_before + 8 * 1024 * 1024);
     assert_eq!(upstream.requests() as usize, admitted.len());

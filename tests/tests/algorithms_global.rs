@@ -10,7 +10,7 @@
 //! `redis-server` and on a local Redis Cluster. A concurrent burst over both Envoys admits
 //! exactly the window's limit, whatever the algorithm.
 
-use tollgate_e2e::tollgate::{envoy_config, prometheus_value, start_ingress, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, policy_metric, start_ingress, Limiter, Store};
 use tollgate_e2e::{burst, Envoy, RedisCluster, RedisServer, RequestSpec, Response, Upstream};
 
 const ALGORITHMS: [&str; 3] = ["fixed_window", "sliding_window", "sliding_log"];
@@ -76,12 +76,7 @@ async fn each_algorithm_admits_its_limit_over_two_envoys(store: Store) {
                 "{algorithm} for {tenant}"
             );
         }
-        let allowed = |e: &Envoy| {
-            prometheus_value(
-                &e.stats_prometheus(),
-                &format!("tollgate_allowed{{policy=\"{algorithm}\"}}"),
-            ) as u64
-        };
+        let allowed = |e: &Envoy| policy_metric(e, "allowed", algorithm);
         assert_eq!(allowed(&a) + allowed(&b), 40, "{algorithm}");
     }
     assert_eq!(upstream.requests(), 3 * 2 * 20);

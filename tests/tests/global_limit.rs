@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tollgate_e2e::client::{burst_detailed, try_send_timeout};
 use tollgate_e2e::redis::commandstats_calls;
-use tollgate_e2e::tollgate::{envoy_config, policy_block, prometheus_value, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, item, policy_block, prometheus_value, Limiter, Store};
 use tollgate_e2e::upstream::MockResponse;
 use tollgate_e2e::{
     burst, paths, send, Envoy, EnvoyOptions, RedisServer, RequestSpec, Response, Upstream,
@@ -60,10 +60,6 @@ const LIMITER: &str = r#"{ "cluster": "tollgate_limiter", "timeout": "100ms" }"#
 /// must not turn a slow callout into a failure-mode decision.
 const PATIENT: &str = r#"{ "cluster": "tollgate_limiter", "timeout": "2s" }"#;
 const CLOSED: &str = r#"{ "mode": "closed" }"#;
-
-fn item(tenant: &str, i: usize) -> RequestSpec {
-    RequestSpec::get(format!("/items/{i}")).header("x-tenant-id", tenant)
-}
 
 fn start_envoy(policy: &str, upstream: &Upstream, limiter_port: u16, workers: u32) -> (Envoy, u16) {
     let envoy = Envoy::start(

@@ -16,33 +16,16 @@ use std::time::{Duration, Instant};
 use tollgate_e2e::mtls::MtlsSetup;
 use tollgate_e2e::pki::{CertFiles, TestCa};
 use tollgate_e2e::tls_client::TlsClient;
-use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
-use tollgate_e2e::{burst, http_blocking, paths, Envoy, EnvoyOptions, RequestSpec, Upstream};
+use tollgate_e2e::tollgate::{
+    envoy_config, item, per_tenant_items_policy, prometheus_value, Limiter, Store,
+};
+use tollgate_e2e::{burst, http_blocking, paths, Envoy, EnvoyOptions, Upstream};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
-/// One global policy per tenant on `GET /items/{id}`; the limiter is patient (exactness, not
-/// deadlines, is what these tests check) and the failure mode is `closed`, so any callout
-/// that fails shows as a 503.
+/// The limiter is patient (exactness, not deadlines, is what these tests check).
 fn policy(units: u64, per: &str, burst: u64) -> String {
-    format!(
-        r#"{{
-  "policies": [{{
-    "name": "per-tenant",
-    "match": {{ "routes": ["GET /items/{{id}}"] }},
-    "key": [{{ "header": "x-tenant-id" }}],
-    "rate": {{ "units": {units}, "per": "{per}" }},
-    "burst": {burst},
-    "scope": "global",
-    "on_unavailable": {{ "mode": "closed" }}
-  }}],
-  "limiter": {{ "cluster": "tollgate_limiter", "timeout": "2s" }}
-}}"#
-    )
-}
-
-fn item(tenant: &str, i: usize) -> RequestSpec {
-    RequestSpec::get(format!("/items/{i}")).header("x-tenant-id", tenant)
+    per_tenant_items_policy("per-tenant", units, per, burst, "2s")
 }
 
 /// The limiter's TLS flags (reloading every 100 ms), only callers naming `allow`.

@@ -15,34 +15,21 @@
 use std::time::{Duration, Instant};
 
 use tollgate_e2e::client::{burst_detailed, Timed};
-use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
-use tollgate_e2e::{
-    send, Envoy, EnvoyOptions, HarnessError, RedisServer, RequestSpec, Response, Upstream,
+use tollgate_e2e::tollgate::{
+    envoy_config, item, per_tenant_items_policy, policy_metric, prometheus_value, Limiter, Store,
 };
+use tollgate_e2e::{send, Envoy, EnvoyOptions, HarnessError, RedisServer, Response, Upstream};
 
 const POLICY_NAME: &str = "per-tenant";
 /// Pacing of the overload runs.
 const TICK_MS: u64 = 40;
 
 fn policy(units: u64, per: &str, burst: u64, timeout: &str) -> String {
-    format!(
-        r#"{{
-  "policies": [{{
-    "name": "{POLICY_NAME}",
-    "match": {{ "routes": ["GET /items/{{id}}"] }},
-    "key": [{{ "header": "x-tenant-id" }}],
-    "rate": {{ "units": {units}, "per": "{per}" }},
-    "burst": {burst},
-    "scope": "global",
-    "on_unavailable": {{ "mode": "closed" }}
-  }}],
-  "limiter": {{ "cluster": "tollgate_limiter", "timeout": "{timeout}" }}
-}}"#
-    )
+    per_tenant_items_policy(POLICY_NAME, units, per, burst, timeout)
 }
 
-fn item(tenant: &str, i: usize) -> RequestSpec {
-    RequestSpec::get(format!("/items/{i}")).header("x-tenant-id", tenant)
+fn counter(envoy: &Envoy, what: &str) -> u64 {
+    policy_metric(envoy, what, POLICY_NAME)
 }
 
 fn start_envoy(policy: &str, upstream: &Upstream, limiter_port: u16, workers: u32) -> (Envoy, u16) {
@@ -58,13 +45,6 @@ fn start_envoy(policy: &str, upstream: &Upstream, limiter_port: u16, workers: u3
     );
     let port = envoy.listener_port("ingress");
     (envoy, port)
-}
-
-fn counter(envoy: &Envoy, what: &str) -> u64 {
-    prometheus_value(
-        &envoy.stats_prometheus(),
-        &format!("tollgate_{what}{{policy=\"{POLICY_NAME}\"}}"),
-    ) as u64
 }
 
 /// What one instance saw during a paced run.

@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tollgate_e2e::tollgate::{assert_embeds_policy, envoy_config, prometheus_value, start_ingress};
+use tollgate_e2e::tollgate::{assert_embeds_policy, envoy_config, policy_metric, start_ingress};
 use tollgate_e2e::{
     burst, paths, process, send, try_burst, try_send_streamed, Envoy, EnvoyOptions, MeteredRequest,
     MeteredUpstream, RequestSpec, Response, UsageIn, Wire,
@@ -28,22 +28,15 @@ fn start(policy: &str, upstream: &MeteredUpstream, route_timeout: &str) -> (Envo
     start_ingress(config, WORKERS)
 }
 
-fn metric(envoy: &Envoy, what: &str, policy: &str) -> u64 {
-    prometheus_value(
-        &envoy.stats_prometheus(),
-        &format!("tollgate_{what}{{policy=\"{policy}\"}}"),
-    ) as u64
-}
-
 /// Waits (bounded) until a metric reaches `value` (stream ends are handled after the client
 /// has its answer).
 fn wait_metric(envoy: &Envoy, what: &str, policy: &str, value: u64) {
     process::wait_for(
         &format!("tollgate_{what} of {policy} = {value}"),
         WAIT,
-        || (metric(envoy, what, policy) == value).then_some(()),
+        || (policy_metric(envoy, what, policy) == value).then_some(()),
     )
-    .unwrap_or_else(|e| panic!("{e}: it is {}", metric(envoy, what, policy)));
+    .unwrap_or_else(|e| panic!("{e}: it is {}", policy_metric(envoy, what, policy)));
 }
 
 fn statuses(responses: &[Response]) -> std::collections::BTreeMap<u16, usize> {
@@ -168,9 +161,9 @@ async fn unused_reservations_come_back_to_the_bucket() {
     }
     assert_eq!(admitted, 7);
     assert_eq!(upstream.requests(), 7);
-    assert_eq!(metric(&envoy, "units_reserved", "tokens"), 700);
-    assert_eq!(metric(&envoy, "units_settled", "tokens"), 210);
-    assert_eq!(metric(&envoy, "units_refunded", "tokens"), 490);
+    assert_eq!(policy_metric(&envoy, "units_reserved", "tokens"), 700);
+    assert_eq!(policy_metric(&envoy, "units_settled", "tokens"), 210);
+    assert_eq!(policy_metric(&envoy, "units_refunded", "tokens"), 490);
     // 90 left: a request that says it needs 90 passes, one that needs 91 does not.
     let r = send(
         port,
@@ -197,7 +190,10 @@ async fn unused_reservations_come_back_to_the_bucket() {
     )
     .await;
     assert_eq!(r.status, 429, "the bucket of `fresh` is empty");
-    assert_eq!(metric(&envoy, "units_reserved", "tokens"), 700 + 90 + 300);
+    assert_eq!(
+        policy_metric(&envoy, "units_reserved", "tokens"),
+        700 + 90 + 300
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -221,8 +217,8 @@ async fn an_excess_is_debt_that_refuses_until_repaid() {
     // (What refilled between admission and settlement, at 200/s, lets a little more be
     // charged.)
     let (debt, uncharged) = (
-        metric(&envoy, "units_debt", "tokens"),
-        metric(&envoy, "units_uncharged", "tokens"),
+        policy_metric(&envoy, "units_debt", "tokens"),
+        policy_metric(&envoy, "units_uncharged", "tokens"),
     );
     assert_eq!(debt + uncharged, 500);
     assert!((400..450).contains(&debt), "{debt} charged");
@@ -308,13 +304,13 @@ async fn usage_from_a_trailer_a_json_body_and_an_event_stream() {
     .await
     .unwrap();
     assert_eq!((r.status, r.trailer("x-usage-units")), (200, Some("37")));
-    assert_eq!(metric(&envoy, "units_settled", "by-trailer"), 37);
-    assert_eq!(metric(&envoy, "units_refunded", "by-trailer"), 63);
+    assert_eq!(policy_metric(&envoy, "units_settled", "by-trailer"), 37);
+    assert_eq!(policy_metric(&envoy, "units_refunded", "by-trailer"), 63);
     // No trailer at all: the reservation stands (`keep`).
     let r = send(port, post("/v1/trailer", "{}").usage_in(UsageIn::None)).await;
     assert_eq!(r.status, 200);
     wait_metric(&envoy, "usage_missing", "by-trailer", 1);
-    assert_eq!(metric(&envoy, "units_settled", "by-trailer"), 137);
+    assert_eq!(policy_metric(&envoy, "units_settled", "by-trailer"), 137);
 
     // A JSON body both ways: reserved 80 + 20 from `max_tokens`, used 45.
     let r = send(
@@ -326,8 +322,8 @@ async fn usage_from_a_trailer_a_json_body_and_an_event_stream() {
     .await;
     assert_eq!(r.status, 200);
     assert!(r.body.contains(r#""total_tokens":45"#), "{}", r.body);
-    assert_eq!(metric(&envoy, "units_reserved", "by-json"), 100);
-    assert_eq!(metric(&envoy, "units_refunded", "by-json"), 55);
+    assert_eq!(policy_metric(&envoy, "units_reserved", "by-json"), 100);
+    assert_eq!(policy_metric(&envoy, "units_refunded", "by-json"), 55);
 
     // An event stream: reserved 200 from the header, the usage event says 61.
     let r = try_send_streamed(
@@ -350,8 +346,8 @@ async fn usage_from_a_trailer_a_json_body_and_an_event_stream() {
         "streamed, not buffered: {:?}",
         r.chunks
     );
-    assert_eq!(metric(&envoy, "units_settled", "by-sse"), 61);
-    assert_eq!(metric(&envoy, "units_refunded", "by-sse"), 139);
+    assert_eq!(policy_metric(&envoy, "units_settled", "by-sse"), 61);
+    assert_eq!(policy_metric(&envoy, "units_refunded", "by-sse"), 139);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -382,11 +378,11 @@ async fn hostile_bodies_take_the_default_and_resets_follow_the_policy() {
     }
     // Every one reserved the default 500 plus the route's 20, and was settled at 1.
     assert_eq!(
-        metric(&envoy, "units_reserved", "by-json"),
+        policy_metric(&envoy, "units_reserved", "by-json"),
         520 * bodies.len() as u64
     );
     assert_eq!(
-        metric(&envoy, "units_settled", "by-json"),
+        policy_metric(&envoy, "units_settled", "by-json"),
         bodies.len() as u64
     );
     // Answers without a usable usage: a JSON route answered `ok`, an SSE route answered `ok`.
@@ -433,14 +429,14 @@ async fn hostile_bodies_take_the_default_and_resets_follow_the_policy() {
     .await;
     assert!(reset.is_err(), "{reset:?}");
     wait_metric(&envoy, "usage_missing", "by-sse", 2);
-    assert_eq!(metric(&envoy, "units_refunded", "by-sse"), 50 + 70);
+    assert_eq!(policy_metric(&envoy, "units_refunded", "by-sse"), 50 + 70);
     // `keep`: the 50 and the 120 reserved stand as settled.
     assert_eq!(
-        metric(&envoy, "units_settled", "by-json"),
+        policy_metric(&envoy, "units_settled", "by-json"),
         bodies.len() as u64 + 50 + 120
     );
     assert_eq!(
-        metric(&envoy, "units_refunded", "by-json"),
+        policy_metric(&envoy, "units_refunded", "by-json"),
         519 * bodies.len() as u64
     );
     // The filter is alive and still exact after all that.
@@ -485,14 +481,14 @@ async fn in_flight_limits_hold_across_workers_and_every_end_releases() {
         assert_eq!(body["policy"], "concurrency");
         assert_eq!(r.header("retry-after"), Some("1"));
     }
-    assert_eq!(metric(&envoy, "in_flight_denied", "concurrency"), 52);
+    assert_eq!(policy_metric(&envoy, "in_flight_denied", "concurrency"), 52);
     wait_metric(&envoy, "in_flight", "concurrency", 0);
 
     // Clients that give up: 8 slow requests, their connections dropped mid-wait.
     let clients =
         tokio::spawn(async move { try_burst(port, 8, 8, |_| chat("acme").delay_ms(30_000)).await });
     upstream.wait_in_flight_at_least(8, WAIT);
-    assert_eq!(metric(&envoy, "in_flight", "concurrency"), 8);
+    assert_eq!(policy_metric(&envoy, "in_flight", "concurrency"), 8);
     clients.abort();
     let _ = clients.await;
     upstream.wait_in_flight(0, WAIT);
@@ -514,5 +510,5 @@ async fn in_flight_limits_hold_across_workers_and_every_end_releases() {
     );
     assert_eq!(upstream.max_in_flight(), 8);
     wait_metric(&envoy, "in_flight", "concurrency", 0);
-    assert_eq!(metric(&envoy, "in_flight_expired", "concurrency"), 0);
+    assert_eq!(policy_metric(&envoy, "in_flight_expired", "concurrency"), 0);
 }

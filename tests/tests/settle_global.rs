@@ -13,10 +13,10 @@
 
 use std::time::{Duration, Instant};
 
-use tollgate_e2e::tollgate::{envoy_config, prometheus_value, start_ingress, Limiter, Store};
-use tollgate_e2e::{
-    process, send, Envoy, MeteredRequest, MeteredUpstream, RedisServer, RequestSpec,
+use tollgate_e2e::tollgate::{
+    envoy_config, policy_metric, prometheus_value, start_ingress, Limiter, Store,
 };
+use tollgate_e2e::{process, send, MeteredRequest, MeteredUpstream, RedisServer, RequestSpec};
 
 const POLICY: &str = "tokens";
 /// 100 units per second, burst 50; a request reserves 10 and really costs 5 to 15.
@@ -45,13 +45,6 @@ fn policy() -> String {
   "limiter": {{ "cluster": "tollgate_limiter", "timeout": "200ms" }}
 }}"#
     )
-}
-
-fn counter(envoy: &Envoy, what: &str) -> u64 {
-    prometheus_value(
-        &envoy.stats_prometheus(),
-        &format!("tollgate_{what}{{policy=\"{POLICY}\"}}"),
-    ) as u64
 }
 
 /// What one instance's client saw.
@@ -118,7 +111,8 @@ async fn settled_units_stay_within_the_global_budget_under_three_times_the_deman
     let elapsed = start.elapsed().as_secs_f64();
     let used = sa.used + sb.used;
     let offered = sa.offered + sb.offered;
-    let calls = counter(&a, "lease_requests") + counter(&b, "lease_requests");
+    let both = |what: &str| policy_metric(&a, what, POLICY) + policy_metric(&b, what, POLICY);
+    let calls = both("lease_requests");
     // Each instance runs one request at a time, so at most one request's excess per instance
     // is still unpaid debt when the run ends.
     let upper = RATE as f64 * elapsed + BURST as f64 + 2.0 * MOST_EXCESS as f64;
@@ -126,10 +120,10 @@ async fn settled_units_stay_within_the_global_budget_under_three_times_the_deman
     println!(
         "settled {used} units in {elapsed:.2} s (allowed [{lower:.0}, {upper:.0}]); A {sa:?}, \
          B {sb:?}; {calls} lease calls for {offered} requests; refunded {} + {}, debt {} + {}",
-        counter(&a, "units_refunded"),
-        counter(&b, "units_refunded"),
-        counter(&a, "units_debt"),
-        counter(&b, "units_debt"),
+        policy_metric(&a, "units_refunded", POLICY),
+        policy_metric(&b, "units_refunded", POLICY),
+        policy_metric(&a, "units_debt", POLICY),
+        policy_metric(&b, "units_debt", POLICY),
     );
     assert_eq!(sa.other + sb.other, 0, "only 200 and 429 answers");
     assert!(
@@ -143,17 +137,11 @@ async fn settled_units_stay_within_the_global_budget_under_three_times_the_deman
         "{calls} lease calls for {offered} requests"
     );
     // Both ways happened, and nothing went past the debt bound.
-    assert!(counter(&a, "units_refunded") + counter(&b, "units_refunded") > 0);
-    assert!(counter(&a, "units_debt") + counter(&b, "units_debt") > 0);
-    assert_eq!(
-        counter(&a, "units_uncharged") + counter(&b, "units_uncharged"),
-        0
-    );
+    assert!(both("units_refunded") > 0);
+    assert!(both("units_debt") > 0);
+    assert_eq!(both("units_uncharged"), 0);
     // The filters settled exactly what the clients were charged...
-    assert_eq!(
-        counter(&a, "units_settled") + counter(&b, "units_settled"),
-        used
-    );
+    assert_eq!(both("units_settled"), used);
     // ...and the limiter has been told, on the callouts the filters make anyway. Units settled
     // after a worker's last callout wait for its next one: new tenants (one lease callout
     // each, on fresh connections spread over both workers) bring them.
