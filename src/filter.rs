@@ -17,7 +17,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
-use tollgate_core::policy::{authority_host, Policies, Scope};
+use tollgate_core::policy::{authority_host, Policies};
 use tollgate_core::protocol::MAX_BODY_BYTES;
 use tollgate_core::response::LocalReply;
 
@@ -450,7 +450,7 @@ impl Http {
                 let global = configured
                     .engine
                     .policy(admission.policy)
-                    .is_some_and(|p| p.scope == Scope::Global);
+                    .is_some_and(|p| p.scope.uses_limiter());
                 if let (Some(units), true) = (done.settled, global) {
                     if let Ok(mut worker) = configured.worker.try_borrow_mut() {
                         worker.note_settled(admission.policy, units);

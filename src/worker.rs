@@ -19,7 +19,6 @@ use crate::shared::SharedData;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
-use tollgate_core::policy::Scope;
 use tollgate_core::protocol::{
     ErrorCode, LeaseRequest, LeaseResult, LeaseReturn, ReturnResult, LEASES_PATH, MAX_BATCH,
     RETURNS_PATH,
@@ -161,7 +160,7 @@ impl Worker {
         let mut out = BTreeMap::new();
         for (index, units) in self.settled.iter_mut().enumerate() {
             if let (Some(policy), 1..) = (engine.policy(index), *units) {
-                if policy.scope == Scope::Global {
+                if policy.scope.uses_limiter() {
                     out.insert(policy.name.clone(), std::mem::take(units));
                 }
             }

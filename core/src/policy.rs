@@ -276,8 +276,21 @@ pub enum Scope {
     /// Each Envoy instance enforces the policy on its own.
     #[default]
     Local,
-    /// One budget across all instances, owned by the limiter.
+    /// One budget across all instances, owned by the limiter. Behind a regional limiter
+    /// (`tollgate-limiter --parent`), the budget of the whole fleet: the region leases it from
+    /// the parent limiter.
     Global,
+    /// One budget across the instances of a region, owned by the region's limiter (its own
+    /// Redis); it never leaves the region. Without a parent limiter it is a global budget.
+    Regional,
+}
+
+impl Scope {
+    /// Whether the limiter decides the policy (`global` or `regional`): the filter spends it
+    /// from leases, and the policy needs `limiter`.
+    pub fn uses_limiter(self) -> bool {
+        matches!(self, Scope::Global | Scope::Regional)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
@@ -773,7 +786,7 @@ fn compile(document: PolicyDocument, version: String) -> Result<Policies, Policy
             policies.push(policy);
         }
     }
-    let has_global = policies.iter().any(|p| p.scope == Scope::Global);
+    let has_global = policies.iter().any(|p| p.scope.uses_limiter());
     match &document.limiter {
         Some(limiter) => {
             if limiter.cluster.trim().is_empty() {
@@ -821,7 +834,7 @@ fn compile(document: PolicyDocument, version: String) -> Result<Policies, Policy
         None if has_global => errors.push(
             None,
             "limiter".into(),
-            "required when a policy has scope `global` (the Envoy cluster of the limiter)",
+            "required when a policy has scope `global` or `regional` (the Envoy cluster of the limiter)",
         ),
         None => {}
     }

@@ -29,7 +29,7 @@ pub fn check_files(files: &[PathBuf]) -> Report {
                     let global = policies
                         .policies
                         .iter()
-                        .filter(|p| p.scope == tollgate_core::policy::Scope::Global)
+                        .filter(|p| p.scope.uses_limiter())
                         .count();
                     text.push_str(&format!(
                         "{name}: ok: {} policies ({global} global), version {}\n",

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use tollgate_core::duration::Millis;
 
+use crate::region::RegionConfig;
 use crate::server::{ServerConfig, StoreConfig};
 use crate::store::security::PASSWORD_ENV;
 use crate::store::{RedisSecurity, Secret};
@@ -149,6 +150,26 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_STORE_TIMEOUT", default_value = "50ms", value_parser = parse_duration)]
     pub store_timeout: Duration,
 
+    /// Make this a regional limiter: policies of scope `global` are leased from the parent
+    /// limiter at this URL (`http://host:port`, its lease listener, h2c); `regional` ones stay
+    /// in this limiter's store. Envoys talk only to the regional limiter.
+    #[arg(long, env = "TOLLGATE_PARENT", requires = "region")]
+    pub parent: Option<String>,
+
+    /// This region's name (`[0-9A-Za-z_-]`, 1 to 40 bytes), with --parent: this instance is
+    /// holder `<region>-<suffix>` at the parent.
+    #[arg(long, env = "TOLLGATE_REGION", requires = "parent")]
+    pub region: Option<String>,
+
+    /// Deadline of one call to the parent limiter (the filter's `limiter.timeout` should be
+    /// longer: an Envoy whose lease finds the region dry waits for the parent).
+    #[arg(long, env = "TOLLGATE_PARENT_TIMEOUT", default_value = "250ms", value_parser = parse_duration)]
+    pub parent_timeout: Duration,
+
+    /// Most keys of global policies a regional limiter holds budget for at once.
+    #[arg(long, env = "TOLLGATE_REGIONAL_KEYS", default_value_t = 100_000)]
+    pub regional_keys: usize,
+
     /// How often the policy file is checked for changes.
     #[arg(long, env = "TOLLGATE_POLICY_POLL", default_value = "1s", value_parser = parse_duration)]
     pub policy_poll: Duration,
@@ -227,6 +248,15 @@ impl Cli {
             assignment_period: self.assignment_period,
             store_timeout: self.store_timeout,
             policy_poll: self.policy_poll,
+            region: match (&self.parent, &self.region) {
+                (Some(parent_url), Some(region)) => Some(RegionConfig {
+                    parent_url: parent_url.clone(),
+                    region: region.clone(),
+                    parent_timeout: self.parent_timeout,
+                    max_keys: self.regional_keys,
+                }),
+                _ => None,
+            },
         }
     }
 }

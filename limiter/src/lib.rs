@@ -9,7 +9,8 @@
 //! (validation, units, deadlines, answers), [`store`] holds the buckets, `policies` keeps
 //! the policy document current, `metrics` exports what happened, [`tls`] is the
 //! lease listener's mutual TLS, [`config`] is the CLI and
-//! [`check`] the policy checker. Only what the binary and the tests use is public.
+//! [`check`] the policy checker; [`region`] is the regional mode (`--parent`), leasing global
+//! budgets from a parent limiter. Only what the binary and the tests use is public.
 //!
 //! Lints: unlike the rest of the workspace, indexing and `expect` are allowed here for
 //! invariants stated where they are used (`Cargo.toml` says why); `unwrap` stays denied.
@@ -20,6 +21,7 @@ pub mod config;
 mod http;
 mod metrics;
 mod policies;
+pub mod region;
 mod server;
 mod service;
 pub mod store;

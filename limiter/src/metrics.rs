@@ -286,6 +286,12 @@ impl Metrics {
             .set(unix_seconds);
     }
 
+    /// The registry, for metric families defined beside the code that feeds them
+    /// (`region::metrics`).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut out = Vec::new();

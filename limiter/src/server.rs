@@ -24,6 +24,7 @@ use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
 use crate::policies::{self, LoadError, PolicyHandle};
+use crate::region::{RegionConfig, RegionMetrics, RegionalStore};
 use crate::service::{Service, ServiceSettings};
 use crate::store::{
     AnyStore, MemoryStore, RedisClusterStore, RedisSecurity, RedisStore, Store, StoreError,
@@ -130,6 +131,8 @@ pub struct ServerConfig {
     pub store_timeout: Duration,
     /// How often the policy file is checked for changes.
     pub policy_poll: Duration,
+    /// A regional limiter: `global` policies are leased from this parent (`--parent`).
+    pub region: Option<RegionConfig>,
 }
 
 impl ServerConfig {
@@ -149,6 +152,7 @@ impl ServerConfig {
             assignment_period: Duration::from_secs(1),
             store_timeout: Duration::from_millis(50),
             policy_poll: Duration::from_secs(1),
+            region: None,
         }
     }
 
@@ -186,6 +190,9 @@ impl ServerConfig {
             return Err(StartError::Config(
                 "--policy-poll must be longer than 0".into(),
             ));
+        }
+        if let Some(region) = &self.region {
+            region.check().map_err(StartError::Config)?;
         }
         if let StoreConfig::Cluster(urls) = &self.store {
             if urls.is_empty() {
@@ -285,6 +292,29 @@ impl Drop for Running {
     }
 }
 
+/// The regional ledger in front of `store`, for a limiter with a parent.
+fn regional_store(
+    config: &ServerConfig,
+    region: &RegionConfig,
+    store: AnyStore,
+    policies: &Arc<PolicyHandle>,
+    metrics: &Metrics,
+) -> Result<RegionalStore, StartError> {
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let terms = crate::region::ledger::Terms {
+        lease_ttl_ms: ms(config.lease_ttl),
+        period_ms: ms(config.assignment_period),
+    };
+    let region_metrics = RegionMetrics::new(metrics.registry())?;
+    Ok(RegionalStore::new(
+        store,
+        region,
+        terms,
+        Arc::clone(policies),
+        region_metrics,
+    )?)
+}
+
 /// Builds the configured store (Redis stores connect in the background).
 fn build_store(config: &ServerConfig) -> Result<AnyStore, StartError> {
     let settings = config.store_settings();
@@ -305,19 +335,30 @@ fn build_store(config: &ServerConfig) -> Result<AnyStore, StartError> {
 /// the store, binds `config.listen` and serves until shut down.
 pub async fn serve(config: ServerConfig) -> Result<Running, StartError> {
     config.check()?;
-    let store = build_store(&config)?;
-    serve_with_store(config, store).await
-}
-
-/// [`serve`] with a store built by the caller (`config.store` is ignored).
-async fn serve_with_store<S: Store>(config: ServerConfig, store: S) -> Result<Running, StartError> {
-    config.check()?;
     let (policies, loaded) = policies::load_file(&config.policies)?;
     let metrics = Metrics::new()?;
     metrics.set_policy_version(&policies.version);
     tracing::info!(version = %policies.version, policies = policies.policies.len(),
         path = %config.policies.display(), "policies loaded");
     let handle = Arc::new(PolicyHandle::new(policies));
+    let store = build_store(&config)?;
+    match config.region.clone() {
+        None => serve_with_store(config, store, handle, loaded, metrics).await,
+        Some(region) => {
+            let store = regional_store(&config, &region, store, &handle, &metrics)?;
+            serve_with_store(config, store, handle, loaded, metrics).await
+        }
+    }
+}
+
+/// [`serve`] once the policies are loaded and the store is built.
+async fn serve_with_store<S: Store>(
+    config: ServerConfig,
+    store: S,
+    handle: Arc<PolicyHandle>,
+    loaded: Vec<u8>,
+    metrics: Metrics,
+) -> Result<Running, StartError> {
     let service = Arc::new(Service::new(
         Arc::new(store),
         Arc::clone(&handle),

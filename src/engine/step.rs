@@ -128,7 +128,7 @@ impl Engine {
             }
         }
         match (policy.scope, at.limiter) {
-            (Scope::Global, Some(settings)) => {
+            (Scope::Global | Scope::Regional, Some(settings)) => {
                 let global = Global {
                     policy,
                     matched,
@@ -325,7 +325,7 @@ impl Engine {
             return;
         };
         let lease = &mut record.lease;
-        if policy.scope == Scope::Global
+        if policy.scope.uses_limiter()
             && !global::assigned(lease, now_ms)
             && lease.pending_until_ms <= now_ms
             && global::below_low_water(lease, settings)
@@ -515,7 +515,9 @@ fn local_step(policy: &Policy, matched: &Matched, record: &Record, now_ms: u64) 
 /// ones the bucket is the fallback budget (`share` of the rate) used while the limiter is away.
 pub(super) fn bucket_limits(policy: &Policy) -> Limits {
     match (policy.scope, policy.failure) {
-        (Scope::Global, FailureMode::Local { share, .. }) => policy.limits.scaled(share),
+        (Scope::Global | Scope::Regional, FailureMode::Local { share, .. }) => {
+            policy.limits.scaled(share)
+        }
         _ => policy.limits,
     }
 }

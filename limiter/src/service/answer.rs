@@ -80,8 +80,13 @@ impl Reply {
 /// when there is a share (its drip accrues until the period ends), `0` for nothing. A
 /// windowed policy's lease lasts what the store said: until the end of its window.
 pub fn expires_ms(lease_ttl_ms: u64, grant: &Grant) -> u64 {
-    if let Some(window_ms) = grant.expires_ms {
-        return if grant.granted > 0 { window_ms } else { 0 };
+    if let Some(limit_ms) = grant.expires_ms {
+        // A window's lease, or a regional limiter's (bounded by what it drew from).
+        return if grant.granted > 0 || grant.share_per_ms > 0.0 {
+            limit_ms
+        } else {
+            0
+        };
     }
     if grant.share_per_ms > 0.0 {
         lease_ttl_ms.saturating_add(grant.period_ms)

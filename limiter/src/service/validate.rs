@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use tollgate_core::assign::MAX_HOLDER_BYTES;
 use tollgate_core::key;
-use tollgate_core::policy::{Policies, Policy, Scope};
+use tollgate_core::policy::{Policies, Policy};
 use tollgate_core::protocol::{
     ErrorCode, LeaseBatch, LeaseRequest, LeaseReturn, ReturnBatch, MAX_BATCH, MAX_LEASE_ID_BYTES,
     MAX_SETTLED_POLICIES,
@@ -161,14 +161,14 @@ fn validate_id(id: &str) -> Result<(), ItemError> {
     Ok(())
 }
 
-/// The policy named `name` if it exists and is global.
+/// The policy named `name` if it exists and the limiter owns it (`global` or `regional`).
 fn global_policy<'a>(policies: &'a Policies, name: &str) -> Result<&'a Policy, ItemError> {
     let policy = policies.get(name).ok_or_else(|| {
         ItemError::policy(format!("unknown policy `{}`", truncate(name, QUOTE_BYTES)))
     })?;
-    if policy.scope != Scope::Global {
+    if !policy.scope.uses_limiter() {
         return Err(ItemError::policy(format!(
-            "policy `{name}` has scope `local`: the limiter only owns global buckets"
+            "policy `{name}` has scope `local`: the limiter only owns global and regional buckets"
         )));
     }
     Ok(policy)
