@@ -333,7 +333,9 @@ impl Shared {
                     period_ms: g.period_ms,
                     retry_after_ms: g.retry_after_ms,
                 };
-                entry.reservoir.receive(lease_id, &got, sent_ms, now_ms);
+                entry
+                    .reservoir
+                    .receive(lease_id, &got, sent_ms, now_ms, self.terms);
                 entry.refused = None;
                 self.metrics.regional_tokens(&id.0, "received", g.granted);
                 let drip = (got.share_per_ms * got.period_ms as f64).floor();
@@ -369,7 +371,7 @@ impl Shared {
                 for (lease_id, tokens) in entry.reservoir.take_expiring(now, RETURN_MARGIN_MS) {
                     returns.push((id.clone(), lease_id, tokens));
                 }
-                *held.entry(id.0.clone()).or_default() += entry.reservoir.spendable(now);
+                *held.entry(id.0.clone()).or_default() += entry.reservoir.held(now);
                 if entry.reservoir.idle(now, IDLE_MS) && !entry.fetching {
                     state.reservoirs.remove(&id);
                     continue;

@@ -304,6 +304,8 @@ fn regional_store(
     let terms = crate::region::ledger::Terms {
         lease_ttl_ms: ms(config.lease_ttl),
         period_ms: ms(config.assignment_period),
+        // Half the parent's deadline, at least 50 ms: more than a round trip to it.
+        renew_lead_ms: (ms(region.parent_timeout) / 2).max(50),
     };
     let region_metrics = RegionMetrics::new(metrics.registry())?;
     Ok(RegionalStore::new(

@@ -18,8 +18,9 @@
 //! * an instance that asks again ends its running sub-assignment: its undripped rest is
 //!   committed no more (the instance stopped its drip when it asked);
 //! * the region asks the parent for nothing while its own assignment runs (a new answer
-//!   would end the parent's holding and take its undripped rest back, which the region has
-//!   already passed on): it renews once the drip has ended.
+//!   ends the parent's holding and takes its undripped rest back): its drip stops a little
+//!   before the parent's holding ends ([`Terms::renew_lead_ms`]), every sub-assignment ends
+//!   by then, and the region renews then.
 //!
 //! The tests (`ledger/tests.rs`) drive random asks, returns and parent answers against a
 //! model of instances that spend everything they are given as soon as they may, and check
@@ -50,6 +51,12 @@ pub struct Terms {
     pub lease_ttl_ms: u64,
     /// Longest sub-assignment (at most what the region's drip has left).
     pub period_ms: u64,
+    /// The region stops its drip this long before the parent's assignment would end, and
+    /// renews then (at most a quarter of the assignment): the parent still holds the region's
+    /// share when the renewal arrives, so it splits the rate by demand instead of handing it
+    /// to whichever region asks first after the end. It must exceed the round trip to the
+    /// parent; the parent takes back the rest of the old share, so nothing is lost.
+    pub renew_lead_ms: u64,
 }
 
 /// One instance's ask (as validated by the service).
@@ -169,6 +176,16 @@ impl Reservoir {
             .map(|h| h.left)
             .sum();
         leased + self.drip.as_ref().map_or(0, |d| d.spendable(now_ms))
+    }
+
+    /// What the region still holds from the parent: leased tokens, what has dripped and is
+    /// not handed out, and the rest of its share until the drip stops (some of it committed
+    /// to its instances' sub-assignments).
+    pub fn held(&self, now_ms: u64) -> u64 {
+        let rest = self.drip.as_ref().map_or(0.0, |d| {
+            d.share_per_ms * d.ends_ms.saturating_sub(now_ms) as f64
+        });
+        self.spendable(now_ms) + rest.floor().max(0.0) as u64
     }
 
     /// Whether the region's assignment from the parent is still dripping.
@@ -431,19 +448,21 @@ impl Reservoir {
     }
 
     /// Takes in what the parent answered to ask `id`, sent at `sent_ms`, arriving at `now_ms`.
-    pub fn receive(&mut self, id: &str, got: &Received, sent_ms: u64, now_ms: u64) {
+    pub fn receive(&mut self, id: &str, got: &Received, sent_ms: u64, now_ms: u64, terms: Terms) {
         self.pending_min = 0;
         if got.granted > 0 {
             let expires = sent_ms.saturating_add(got.expires_ms);
             self.insert_lease(id.to_owned(), got.granted, expires);
         }
         if got.share_per_ms > 0.0 && got.period_ms > 0 && !self.dripping(now_ms) {
-            // The drip starts when the answer arrives (never sooner than the parent assumed).
+            // The drip starts when the answer arrives (never sooner than the parent assumed)
+            // and stops the renewal lead before the parent's holding ends.
+            let lead = terms.renew_lead_ms.min(got.period_ms / 4);
             self.drip = Some(Drip {
                 id: id.to_owned(),
                 share_per_ms: got.share_per_ms,
                 from_ms: now_ms,
-                ends_ms: now_ms.saturating_add(got.period_ms),
+                ends_ms: now_ms.saturating_add(got.period_ms - lead),
                 expires_ms: sent_ms.saturating_add(got.expires_ms),
                 given: 0.0,
             });

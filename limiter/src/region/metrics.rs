@@ -56,7 +56,7 @@ impl RegionMetrics {
         let held = IntGaugeVec::new(
             Opts::new(
                 "tollgate_limiter_regional_held_tokens",
-                "Tokens of global policies the region holds and may hand out now, by policy.",
+                "Tokens of global policies the region still holds from the parent, by policy: leased, dripped and not handed out, and the rest of its share until its assignment ends.",
             ),
             &["policy"],
         )?;

@@ -4,6 +4,7 @@ use proptest::prelude::*;
 const TERMS: Terms = Terms {
     lease_ttl_ms: 2_000,
     period_ms: 1_000,
+    renew_lead_ms: 0,
 };
 
 fn ask(min: u64, want: u64, holder: &str, demand_per_s: f64) -> Ask<'_> {
@@ -40,7 +41,7 @@ fn a_dry_reservoir_asks_the_parent_for_the_waiting_min() {
     assert_eq!(wanted.min, 3);
     // A second of 100/s, within the burst.
     assert_eq!(wanted.want, 50);
-    r.receive("p1", &lease(60, 2_000), 0, 5);
+    r.receive("p1", &lease(60, 2_000), 0, 5, TERMS);
     assert_eq!(r.parent_ask(5, 50), None, "60 tokens cover 500 ms of 100/s");
     let g = decided(r.ask(ask(3, 10, "a", 100.0), 5, TERMS));
     assert_eq!(g.granted, 10);
@@ -55,8 +56,8 @@ fn a_dry_reservoir_asks_the_parent_for_the_waiting_min() {
 #[test]
 fn leases_that_expire_first_are_spent_first_and_expiry_loses_the_rest() {
     let mut r = Reservoir::default();
-    r.receive("late", &lease(5, 3_000), 0, 0);
-    r.receive("early", &lease(5, 1_000), 0, 0);
+    r.receive("late", &lease(5, 3_000), 0, 0, TERMS);
+    r.receive("early", &lease(5, 1_000), 0, 0, TERMS);
     let g = decided(r.ask(ask(4, 4, "a", 1.0), 10, TERMS));
     assert_eq!(g.granted, 4);
     assert_eq!(g.expires_ms, Some(990));
@@ -78,7 +79,7 @@ fn a_drip_is_shared_by_demand_and_ends_with_the_region() {
         retry_after_ms: 0,
     };
     assert_eq!(r.ask(ask(1, 10, "a", 300.0), 0, TERMS), Answer::Dry);
-    r.receive("p1", &assignment, 0, 0);
+    r.receive("p1", &assignment, 0, 0, TERMS);
     assert!(r.dripping(0));
     assert_eq!(
         r.parent_ask(500, 100),
@@ -122,6 +123,7 @@ fn a_parent_denial_is_passed_on_until_its_retry_time() {
         },
         0,
         10,
+        TERMS,
     );
     let g = decided(r.ask(ask(1, 5, "a", 10.0), 110, TERMS));
     assert_eq!((g.granted, g.retry_after_ms), (0, 600));
@@ -132,7 +134,7 @@ fn a_parent_denial_is_passed_on_until_its_retry_time() {
 #[test]
 fn returns_go_back_into_a_live_lease_or_are_lost() {
     let mut r = Reservoir::default();
-    r.receive("p1", &lease(10, 1_000), 0, 0);
+    r.receive("p1", &lease(10, 1_000), 0, 0, TERMS);
     decided(r.ask(ask(10, 10, "a", 1.0), 0, TERMS));
     assert_eq!(r.give_back(4, 100), Expired::default());
     assert_eq!(r.spendable(100), 4);
@@ -254,7 +256,7 @@ proptest! {
                     seq += 1;
                     let got = Received { granted, expires_ms: 2_000, share_per_ms: share_per_s / 1_000.0, period_ms, retry_after_ms: 50 };
                     let was_dripping = r.dripping(now);
-                    r.receive(&format!("p{seq}"), &got, now, now);
+                    r.receive(&format!("p{seq}"), &got, now, now, TERMS);
                     leased += granted;
                     if got.share_per_ms > 0.0 && !was_dripping {
                         drips.push((got.share_per_ms, now, now + period_ms));
@@ -282,4 +284,45 @@ proptest! {
             prop_assert!(spent_later <= given_by(horizon, &drips, leased) + 1e-6);
         }
     }
+}
+
+#[test]
+fn the_drip_stops_the_renewal_lead_before_the_parent_holding_ends() {
+    let terms = Terms {
+        renew_lead_ms: 100,
+        ..TERMS
+    };
+    let mut r = Reservoir::default();
+    let share = Received {
+        granted: 0,
+        expires_ms: 3_000,
+        share_per_ms: 0.05,
+        period_ms: 1_000,
+        retry_after_ms: 0,
+    };
+    assert_eq!(r.ask(ask(1, 10, "a", 100.0), 0, terms), Answer::Dry);
+    r.receive("p1", &share, 0, 0, terms);
+    // 50/s until 900 ms: 45 tokens in all.
+    assert_eq!(r.held(0), 45);
+    let a = decided(r.ask(ask(1, 100, "a", 100.0), 0, terms));
+    assert_eq!(a.period_ms, 900);
+    assert!(r.dripping(899));
+    assert!(!r.dripping(900));
+    assert!(
+        r.parent_ask(900, 100).is_some(),
+        "renews at 900, before the parent's 1 000"
+    );
+    // A lead longer than a quarter of the period is cut to the quarter.
+    let mut short = Reservoir::default();
+    short.receive(
+        "p2",
+        &Received {
+            period_ms: 200,
+            ..share
+        },
+        0,
+        0,
+        terms,
+    );
+    assert!(short.dripping(149) && !short.dripping(150));
 }
