@@ -9,7 +9,7 @@
 //! (validation, units, deadlines, answers), [`store`] holds the buckets, `policies` keeps
 //! the policy document current, `metrics` exports what happened, [`tls`] is the
 //! lease listener's mutual TLS, [`config`] is the CLI and
-//! [`check`] the policy checker. Only what the binary and the tests use is public.
+//! [`check`] the policy checker, [`import`] the envoyproxy/ratelimit importer. Only what the binary and the tests use is public.
 //!
 //! Lints: unlike the rest of the workspace, indexing and `expect` are allowed here for
 //! invariants stated where they are used (`Cargo.toml` says why); `unwrap` stays denied.
@@ -18,6 +18,7 @@ pub mod check;
 mod clock;
 pub mod config;
 mod http;
+pub mod import;
 mod metrics;
 mod policies;
 mod server;
