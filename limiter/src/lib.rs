@@ -8,8 +8,9 @@
 //! Layout: `server` starts everything ([`serve`]), `http` maps routes onto `service`
 //! (validation, units, deadlines, answers), [`store`] holds the buckets, `policies` keeps
 //! the policy document current, `metrics` exports what happened, [`tls`] is the
-//! lease listener's mutual TLS, [`config`] is the CLI and
-//! [`check`] the policy checker, [`import`] the envoyproxy/ratelimit importer. Only what the binary and the tests use is public.
+//! lease listener's mutual TLS, [`config`] is the CLI,
+//! [`check`] the policy checker and [`import`] the envoyproxy/ratelimit importer. Only what
+//! the binary and the tests use is public.
 //!
 //! Lints: unlike the rest of the workspace, indexing and `expect` are allowed here for
 //! invariants stated where they are used (`Cargo.toml` says why); `unwrap` stays denied.

@@ -340,3 +340,35 @@ fn invalid_input_exits_1_naming_the_file_and_the_field() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn readme_shows_what_the_command_prints() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate-limiter"))
+        .args([
+            "import-ratelimit",
+            "--header",
+            "to_number=x-to-number",
+            "limiter/tests/fixtures/ratelimit/example2-messaging.yaml",
+            "limiter/tests/fixtures/ratelimit/example3-edge_proxy_per_ip.yaml",
+        ])
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let section = readme
+        .split("### Migrating from envoyproxy/ratelimit")
+        .nth(1)
+        .unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        section.contains(&format!("imported.json\n{stderr}$ ")),
+        "the README's report differs from:\n{stderr}"
+    );
+    assert!(
+        section.contains(&format!("$ cat imported.json\n{stdout}```")),
+        "the README's document differs from:\n{stdout}"
+    );
+}

@@ -255,14 +255,16 @@ fn convert_limit(
         })
     };
     let (unit, requests_per_unit) = match limit {
-        Limit::Unlimited => return skip(
-            out,
-            "unlimited".into(),
-            vec![
+        Limit::Unlimited => {
+            return skip(
+                out,
+                "unlimited".into(),
+                vec![
                 "`unlimited: true`: no policy is needed (tollgate admits what no policy limits)"
                     .into(),
             ],
-        ),
+            )
+        }
         Limit::Rate {
             unit,
             requests_per_unit,

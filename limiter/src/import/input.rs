@@ -234,7 +234,21 @@ pub fn parse_file(file: &str, text: &str) -> Result<ConfigFile, Vec<InputError>>
 
 /// A YAML or schema error: the field path serde found, and the position.
 fn yaml_error(file: &str, e: &serde_yaml_ng::Error) -> InputError {
-    let text = e.to_string();
+    let mut text = e.to_string();
+    for (internal, written) in [
+        (
+            "struct FileSpec",
+            "a mapping with `domain` and `descriptors`",
+        ),
+        (
+            "struct DescriptorSpec",
+            "a descriptor (a mapping with `key`)",
+        ),
+        ("struct RateLimitSpec", "a `rate_limit` mapping"),
+        ("struct ReplacesSpec", "a mapping with `name`"),
+    ] {
+        text = text.replace(internal, written);
+    }
     // serde_yaml_ng writes `path: reason at line L column C` when it knows the path.
     let (field, reason) = match text.split_once(": ") {
         Some((path, reason))
@@ -494,6 +508,11 @@ mod tests {
                 "f.yaml: descriptors[0].rate_limit.requests_per_unit: invalid type: integer `-3`"
             ),
             "{out:?}"
+        );
+        let out = errors("- a\n");
+        assert_eq!(
+            out,
+            ["f.yaml: (file): invalid type: sequence, expected a mapping with `domain` and `descriptors`"]
         );
         let out = errors("domain: d\ndescriptors:\n  - key: a\n   value: b\n");
         assert!(
