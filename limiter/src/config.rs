@@ -198,6 +198,36 @@ pub enum Command {
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
+    /// Convert envoyproxy/ratelimit descriptor configurations (YAML) into one policy document,
+    /// printed on stdout. The report on stderr gives what each policy reads instead of Envoy's
+    /// rate_limits actions, what converted with a difference, and what could not be expressed,
+    /// each with its reason. Exit 1 only on invalid input (naming the file and the field).
+    ImportRatelimit {
+        /// Where a descriptor key's value is read from, repeatable: `KEY=HEADER` (a request
+        /// header), `KEY=:method`, `KEY=:authority`, `KEY=:path` or `KEY=client_ip`. Without
+        /// it a key is read from the header of the same name (`remote_address`: the client IP).
+        #[arg(long = "header", value_name = "KEY=SOURCE", value_parser = parse_key_source)]
+        headers: Vec<(String, crate::import::Source)>,
+        /// The Envoy cluster of the limiter, written as the document's `limiter.cluster`.
+        #[arg(long, value_name = "NAME", default_value = "tollgate_limiter")]
+        limiter_cluster: String,
+        /// Proxies in front of Envoy that append to X-Forwarded-For, for `remote_address`
+        /// (`client_ip.trusted_hops`; 0 reads the socket peer).
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        trusted_hops: u32,
+        /// ratelimit configuration files (YAML), one domain each.
+        #[arg(required = true, value_name = "CONFIG.yaml")]
+        files: Vec<PathBuf>,
+    },
+}
+
+/// `KEY=SOURCE` of `import-ratelimit --header`.
+fn parse_key_source(text: &str) -> Result<(String, crate::import::Source), String> {
+    let (key, source) = text
+        .split_once('=')
+        .filter(|(key, _)| !key.is_empty())
+        .ok_or_else(|| format!("`{text}` is not KEY=SOURCE"))?;
+    Ok((key.to_string(), crate::import::Source::parse(source)?))
 }
 
 /// `25ms`, `2s`, `1m`: the policy document's duration syntax.

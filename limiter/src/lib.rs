@@ -8,9 +8,10 @@
 //! Layout: `server` starts everything ([`serve`]), `http` maps routes onto `service`
 //! (validation, units, deadlines, answers), [`store`] holds the buckets, `policies` keeps
 //! the policy document current, `metrics` exports what happened, [`tls`] is the
-//! lease listener's mutual TLS, [`config`] is the CLI and
-//! [`check`] the policy checker; [`region`] is the regional mode (`--parent`), leasing global
-//! budgets from a parent limiter. Only what the binary and the tests use is public.
+//! lease listener's mutual TLS, [`config`] is the CLI, [`check`] the policy checker and
+//! [`import`] the envoyproxy/ratelimit importer; [`region`] is the regional mode (`--parent`),
+//! leasing global budgets from a parent limiter. Only what the binary and the tests use is
+//! public.
 //!
 //! Lints: unlike the rest of the workspace, indexing and `expect` are allowed here for
 //! invariants stated where they are used (`Cargo.toml` says why); `unwrap` stays denied.
@@ -19,6 +20,7 @@ pub mod check;
 mod clock;
 pub mod config;
 mod http;
+pub mod import;
 mod metrics;
 mod policies;
 pub mod region;

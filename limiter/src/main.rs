@@ -1,9 +1,10 @@
 //! The `tollgate-limiter` binary: flags → [`ServerConfig`], logging, serve until SIGTERM or
-//! SIGINT, then drain and exit; or `check-policies FILE...` to validate policy documents.
+//! SIGINT, then drain and exit; or `check-policies FILE...` to validate policy documents, or
+//! `import-ratelimit CONFIG.yaml...` to convert envoyproxy/ratelimit configurations.
 
 use clap::Parser;
 use tollgate_limiter::config::{init_logging, Cli, Command};
-use tollgate_limiter::{check, serve};
+use tollgate_limiter::{check, import, serve};
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
@@ -12,6 +13,27 @@ async fn main() -> std::process::ExitCode {
         let report = check::check_files(files);
         print!("{}", report.text);
         return if report.ok {
+            std::process::ExitCode::SUCCESS
+        } else {
+            std::process::ExitCode::FAILURE
+        };
+    }
+    if let Some(Command::ImportRatelimit {
+        headers,
+        limiter_cluster,
+        trusted_hops,
+        files,
+    }) = &cli.command
+    {
+        let options = import::Options {
+            sources: headers.iter().cloned().collect(),
+            limiter_cluster: limiter_cluster.clone(),
+            trusted_hops: *trusted_hops,
+        };
+        let outcome = import::run(files, &options);
+        print!("{}", outcome.stdout);
+        eprint!("{}", outcome.stderr);
+        return if outcome.ok {
             std::process::ExitCode::SUCCESS
         } else {
             std::process::ExitCode::FAILURE

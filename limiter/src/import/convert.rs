@@ -1,0 +1,747 @@
+//! The conversion itself, pure: validated ratelimit files in, a tollgate policy document out,
+//! with what each policy reads instead of Envoy's descriptor actions, what converted with a
+//! difference, and what could not be expressed (each with its reason).
+//!
+//! Choices (also stated in the printed report and the README):
+//! * one policy per descriptor path that ends in a `rate_limit`, named after the domain and
+//!   the path;
+//! * `algorithm: fixed_window`, `rate.units` = `requests_per_unit` per one unit: ratelimit
+//!   counts fixed windows aligned to the clock, as tollgate's fixed window does; no burst;
+//! * `scope: global` (ratelimit is one service shared by every Envoy) and `on_unavailable`
+//!   `open` (Envoy's ratelimit filter lets requests through when the service fails, unless
+//!   `failure_mode_deny`);
+//! * `shadow_mode: true` becomes `enforce: false`;
+//! * an entry without a value becomes a key part (a header, the client IP, the method); an
+//!   entry with a value becomes a match condition where tollgate has one (`:method`,
+//!   `:authority`, `:path`), and the limit is listed as not expressible otherwise.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use tollgate_core::key::{self, digest_hex, is_valid_policy_name};
+use tollgate_core::route::RouteTemplate;
+
+use super::input::{ConfigFile, Descriptor, Limit, Unit};
+
+/// Where tollgate reads a descriptor entry from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A request header (what Envoy's `request_headers` action reads).
+    Header(String),
+    /// The client address (Envoy's `remote_address` action).
+    ClientIp,
+    /// `:method`: a value becomes `match.methods`, no value the `method` key part.
+    Method,
+    /// `:authority`: a value becomes `match.hosts`.
+    Authority,
+    /// `:path`: a value becomes `match.routes`.
+    Path,
+}
+
+impl Source {
+    /// Parses the right-hand side of `--header KEY=SOURCE`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        match text {
+            ":method" => Ok(Source::Method),
+            ":authority" | "host" => Ok(Source::Authority),
+            ":path" => Ok(Source::Path),
+            "client_ip" => Ok(Source::ClientIp),
+            other => {
+                let lower = other.to_ascii_lowercase();
+                if is_header_name(&lower) {
+                    Ok(Source::Header(lower))
+                } else {
+                    Err(format!(
+                        "`{other}` is not a header name, `:method`, `:authority`, `:path` or `client_ip`"
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// How to convert.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// `--header KEY=SOURCE`: where a descriptor key's value comes from.
+    pub sources: BTreeMap<String, Source>,
+    /// The Envoy cluster of the limiter (the document's `limiter.cluster`).
+    pub limiter_cluster: String,
+    /// `client_ip.trusted_hops` for `remote_address`.
+    pub trusted_hops: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            sources: BTreeMap::new(),
+            limiter_cluster: "tollgate_limiter".into(),
+            trusted_hops: 0,
+        }
+    }
+}
+
+/// One descriptor entry a converted policy reads, for the Envoy mapping.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read {
+    /// The descriptor key.
+    pub key: String,
+    /// `key` or `key` = `value`, as printed.
+    pub entry: String,
+    /// What tollgate reads instead, and which Envoy action produced the entry.
+    pub from: String,
+    /// The source was assumed (no `--header` for the key).
+    pub assumed: bool,
+}
+
+/// A policy made from one descriptor path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Converted {
+    pub name: String,
+    pub file: String,
+    /// ratelimit's full key, e.g. `messaging.message_type_marketing.to_number`.
+    pub descriptor: String,
+    pub requests_per_unit: u32,
+    pub unit: Unit,
+    pub enforce: bool,
+    pub reads: Vec<Read>,
+}
+
+/// A limit that did not become a policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skipped {
+    pub file: String,
+    pub descriptor: String,
+    /// `5 per day`, `unlimited`.
+    pub limit: String,
+    pub reasons: Vec<String>,
+}
+
+/// A converted policy that does not behave exactly as its descriptor did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Difference {
+    pub policy: String,
+    pub reason: String,
+}
+
+/// The result: the document and what to tell the operator.
+#[derive(Debug, Clone)]
+pub struct Conversion {
+    pub document: Document,
+    pub converted: Vec<Converted>,
+    pub differences: Vec<Difference>,
+    pub skipped: Vec<Skipped>,
+}
+
+/// The policy document written (the subset of `tollgate_core::policy::PolicyDocument` an
+/// import uses, in the order a person reads it).
+#[derive(Debug, Clone, Serialize)]
+pub struct Document {
+    pub policies: Vec<Policy>,
+    pub limiter: LimiterRef,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LimiterRef {
+    pub cluster: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Policy {
+    pub name: String,
+    #[serde(rename = "match", skip_serializing_if = "Match::is_empty")]
+    pub matcher: Match,
+    pub key: Vec<serde_json::Value>,
+    pub rate: Rate,
+    pub algorithm: &'static str,
+    pub scope: &'static str,
+    pub enforce: bool,
+    pub on_unavailable: FailOpen,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Match {
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub routes: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub methods: Vec<String>,
+}
+
+impl Match {
+    fn is_empty(&self) -> bool {
+        self.hosts.is_empty() && self.routes.is_empty() && self.methods.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Rate {
+    pub units: u64,
+    pub per: &'static str,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FailOpen {
+    pub mode: &'static str,
+}
+
+/// Converts validated files (distinct domains) into one document.
+pub fn convert(files: &[ConfigFile], options: &Options) -> Conversion {
+    let mut out = Conversion {
+        document: Document {
+            policies: Vec::new(),
+            limiter: LimiterRef {
+                cluster: options.limiter_cluster.clone(),
+            },
+        },
+        converted: Vec::new(),
+        differences: Vec::new(),
+        skipped: Vec::new(),
+    };
+    for file in files {
+        let mut path = Vec::new();
+        walk(file, &file.descriptors, &mut path, options, &mut out);
+    }
+    out
+}
+
+/// One level of a descriptor path: the descriptor and the level it sits in.
+type Step<'a> = (&'a Descriptor, &'a [Descriptor]);
+
+fn walk<'a>(
+    file: &'a ConfigFile,
+    level: &'a [Descriptor],
+    path: &mut Vec<Step<'a>>,
+    options: &Options,
+    out: &mut Conversion,
+) {
+    for descriptor in level {
+        path.push((descriptor, level));
+        if let Some(limit) = &descriptor.limit {
+            convert_limit(file, path, limit, options, out);
+        }
+        walk(file, &descriptor.descriptors, path, options, out);
+        path.pop();
+    }
+}
+
+fn full_key(domain: &str, path: &[Step<'_>]) -> String {
+    let mut text = domain.to_string();
+    for (descriptor, _) in path {
+        text.push('.');
+        text.push_str(&descriptor.composite_key());
+    }
+    text
+}
+
+fn convert_limit(
+    file: &ConfigFile,
+    path: &[Step<'_>],
+    limit: &Limit,
+    options: &Options,
+    out: &mut Conversion,
+) {
+    let descriptor = full_key(&file.domain, path);
+    let Some(&(last, _)) = path.last() else {
+        return;
+    };
+    let skip = |out: &mut Conversion, limit: String, reasons: Vec<String>| {
+        out.skipped.push(Skipped {
+            file: file.file.clone(),
+            descriptor: descriptor.clone(),
+            limit,
+            reasons,
+        })
+    };
+    let (unit, requests_per_unit) = match limit {
+        Limit::Unlimited => {
+            return skip(
+                out,
+                "unlimited".into(),
+                vec![
+                "`unlimited: true`: no policy is needed (tollgate admits what no policy limits)"
+                    .into(),
+            ],
+            )
+        }
+        Limit::Rate {
+            unit,
+            requests_per_unit,
+        } => (*unit, *requests_per_unit),
+    };
+    let limit_text = format!("{requests_per_unit} per {}", unit.name());
+    if requests_per_unit == 0 {
+        return skip(
+            out,
+            limit_text,
+            vec!["`requests_per_unit: 0` refuses every matching request: a tollgate rate is at least 1 unit (refuse these requests in Envoy, e.g. with an RBAC filter)".into()],
+        );
+    }
+
+    let mut reasons = Vec::new();
+    let mut parts = Vec::new();
+    let mut matcher = Match::default();
+    let mut reads = Vec::new();
+    for (descriptor, _) in path {
+        let key = descriptor.key.as_str();
+        let (source, assumed) = match source_of(key, options) {
+            Ok(found) => found,
+            Err(reason) => {
+                reasons.push(reason);
+                continue;
+            }
+        };
+        match (&descriptor.value, &source) {
+            (Some(value), _) if value.ends_with('*') => reasons.push(format!(
+                "`{key}` = `{value}` is a prefix match: tollgate has no prefix match on request data"
+            )),
+            (None, Source::Header(header)) => {
+                parts.push(serde_json::json!({ "header": header }));
+                reads.push(Read {
+                    key: key.to_string(),
+                    entry: format!("`{key}`"),
+                    from: format!(
+                        "header `{header}` (Envoy: `request_headers` action, header_name `{header}`, descriptor_key `{key}`)"
+                    ),
+                    assumed,
+                });
+            }
+            (None, Source::ClientIp) => {
+                parts.push(serde_json::json!({ "client_ip": { "trusted_hops": options.trusted_hops } }));
+                reads.push(Read {
+                    key: key.to_string(),
+                    entry: format!("`{key}`"),
+                    from: format!(
+                        "the client IP, key part client_ip with trusted_hops {} (Envoy: `remote_address` action, the downstream address as the connection manager's xff_num_trusted_hops sets it)",
+                        options.trusted_hops
+                    ),
+                    assumed,
+                });
+            }
+            (None, Source::Method) => {
+                parts.push(serde_json::json!("method"));
+                reads.push(Read {
+                    key: key.to_string(),
+                    entry: format!("`{key}`"),
+                    from: "the method, key part method (Envoy: `request_headers` action on `:method`)".into(),
+                    assumed,
+                });
+            }
+            (None, Source::Authority) => reasons.push(format!(
+                "`{key}` (any host, one limit each): a tollgate key has no host part"
+            )),
+            (None, Source::Path) => reasons.push(format!(
+                "`{key}` (any path, one limit each): a tollgate key holds a declared route template, never the raw path"
+            )),
+            (Some(value), Source::Header(header)) => reasons.push(format!(
+                "`{key}` = `{value}` (header `{header}`): tollgate matches hosts, routes and methods, not a header's value"
+            )),
+            (Some(value), Source::ClientIp) => reasons.push(format!(
+                "`{key}` = `{value}`: tollgate does not match a client IP address"
+            )),
+            (Some(value), Source::Method) => {
+                let valid = !value.is_empty()
+                    && value.len() <= 16
+                    && value.bytes().all(|b| b.is_ascii_uppercase());
+                if !valid {
+                    reasons.push(format!("`{key}` = `{value}` is not an upper-case HTTP method"));
+                } else if add_condition(&mut matcher.methods, value) {
+                    reads.push(Read {
+                    key: key.to_string(),
+                        entry: format!("`{key}` = `{value}`"),
+                        from: format!("match.methods [{value}] (Envoy: `request_headers` action on `:method`)"),
+                        assumed,
+                    });
+                } else {
+                    reasons.push(format!("`{key}` = `{value}` contradicts another level of the path"));
+                }
+            }
+            (Some(value), Source::Authority) => {
+                let valid = !value.is_empty()
+                    && value.len() <= 253
+                    && value
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'));
+                let host = value.to_ascii_lowercase();
+                if !valid {
+                    reasons.push(format!("`{key}` = `{value}` is not a host name"));
+                } else if add_condition(&mut matcher.hosts, &host) {
+                    reads.push(Read {
+                    key: key.to_string(),
+                        entry: format!("`{key}` = `{value}`"),
+                        from: format!("match.hosts [{host}] (Envoy: `request_headers` action on `:authority`)"),
+                        assumed,
+                    });
+                } else {
+                    reasons.push(format!("`{key}` = `{value}` contradicts another level of the path"));
+                }
+            }
+            (Some(value), Source::Path) => {
+                let template = RouteTemplate::parse(value).ok().filter(|_| !value.contains(['{', '}']));
+                match template {
+                    None => reasons.push(format!("`{key}` = `{value}` is not a path tollgate can match (`/a/b`, no query)")),
+                    Some(template) => {
+                        let route = template.as_str().to_string();
+                        if add_condition(&mut matcher.routes, &route) {
+                            reads.push(Read {
+                    key: key.to_string(),
+                                entry: format!("`{key}` = `{value}`"),
+                                from: format!("match.routes [{route}] (Envoy: `request_headers` action on `:path`; tollgate matches the path without its query)"),
+                                assumed,
+                            });
+                        } else {
+                            reasons.push(format!("`{key}` = `{value}` contradicts another level of the path"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if parts.is_empty() && reasons.is_empty() {
+        // Every level is a fixed value: one bucket shared by every matching request.
+        parts.push(serde_json::json!({ "constant": descriptor }));
+    }
+    if parts.len() > key::MAX_PARTS {
+        reasons.push(format!(
+            "{} key parts: a tollgate key has at most {}",
+            parts.len(),
+            key::MAX_PARTS
+        ));
+    }
+    if !reasons.is_empty() {
+        return skip(out, limit_text, reasons);
+    }
+
+    let name = policy_name(&file.domain, path, &descriptor, &out.document.policies);
+    let enforce = !last.shadow_mode;
+    let mut differences = Vec::new();
+    if path
+        .iter()
+        .any(|(d, _)| d.detailed_metric || d.value_to_metric)
+    {
+        differences.push(
+            "`detailed_metric`/`value_to_metric` (metrics per descriptor value): tollgate's metrics are per policy, never per key"
+                .to_string(),
+        );
+    }
+    for replaced in &last.replaces {
+        differences.push(format!(
+            "`replaces: {replaced}`: ratelimit drops the limit named `{replaced}` for a request that also matches this one; tollgate applies every policy a request matches, so both count"
+        ));
+    }
+    for (depth, (descriptor, level)) in path.iter().enumerate() {
+        if descriptor.value.is_some() {
+            continue;
+        }
+        for sibling in level.iter() {
+            if sibling.key != descriptor.key {
+                continue;
+            }
+            let Some(value) = &sibling.value else {
+                continue;
+            };
+            let target = full_key(
+                &file.domain,
+                &[path[..depth].to_vec(), vec![(sibling, *level)]].concat(),
+            );
+            let whose = match value.strip_suffix('*') {
+                Some(prefix) => format!("starts with `{prefix}`"),
+                None => format!("is `{value}`"),
+            };
+            differences.push(format!(
+                "also counts requests whose `{}` {whose}, which ratelimit gives to the more specific `{target}` instead",
+                descriptor.key
+            ));
+        }
+    }
+    out.differences
+        .extend(differences.into_iter().map(|reason| Difference {
+            policy: name.clone(),
+            reason,
+        }));
+    out.converted.push(Converted {
+        name: name.clone(),
+        file: file.file.clone(),
+        descriptor,
+        requests_per_unit,
+        unit,
+        enforce,
+        reads,
+    });
+    out.document.policies.push(Policy {
+        name,
+        matcher,
+        key: parts,
+        rate: Rate {
+            units: u64::from(requests_per_unit),
+            per: unit.per(),
+        },
+        algorithm: "fixed_window",
+        scope: "global",
+        enforce,
+        on_unavailable: FailOpen { mode: "open" },
+    });
+}
+
+/// Adds a match condition; `false` when the list already holds a different one (two levels
+/// of one path that ask for different values of the same request data never match).
+fn add_condition(list: &mut Vec<String>, value: &str) -> bool {
+    if list.is_empty() {
+        list.push(value.to_string());
+        true
+    } else {
+        list.iter().any(|v| v == value)
+    }
+}
+
+/// Where a key is read from, and whether that was assumed.
+fn source_of(key: &str, options: &Options) -> Result<(Source, bool), String> {
+    if let Some(source) = options.sources.get(key) {
+        return Ok((source.clone(), false));
+    }
+    match key {
+        "remote_address" => Ok((Source::ClientIp, false)),
+        "generic_key" => Err(
+            "`generic_key` is set by Envoy's generic_key action, a constant of the route that carries it: tollgate selects routes with `match.routes` (write that policy by hand, or rerun with --header generic_key=:path if its values are paths)"
+                .into(),
+        ),
+        "destination_cluster" | "source_cluster" => Err(format!(
+            "`{key}` is set by Envoy's {key} action (a cluster name): tollgate does not read cluster names"
+        )),
+        "header_match" => Err(
+            "`header_match` is set by Envoy's header_value_match action (a constant when headers match): tollgate matches hosts, routes and methods only"
+                .into(),
+        ),
+        "masked_remote_address" => Err(
+            "`masked_remote_address` is the client IP masked to a prefix: tollgate keys on the whole address"
+                .into(),
+        ),
+        _ => {
+            let header = key.to_ascii_lowercase();
+            if is_header_name(&header) {
+                Ok((Source::Header(header), true))
+            } else {
+                Err(format!(
+                    "`{key}` is not a header name: rerun with --header '{key}=HEADER'"
+                ))
+            }
+        }
+    }
+}
+
+/// `domain-key_value-key`, in the name charset; a hash suffix when too long or taken.
+fn policy_name(domain: &str, path: &[Step<'_>], full: &str, taken: &[Policy]) -> String {
+    let mut name = sanitize(domain);
+    for (descriptor, _) in path {
+        name.push('-');
+        name.push_str(&sanitize(&descriptor.composite_key()));
+    }
+    let is_taken = |candidate: &str| taken.iter().any(|p| p.name == candidate);
+    if is_valid_policy_name(&name) && !is_taken(&name) {
+        return name;
+    }
+    // Sanitized text is ASCII: any byte index is a char boundary.
+    let suffix = digest_hex(full.as_bytes(), 4);
+    name.truncate(64 - 1 - suffix.len());
+    format!("{name}-{suffix}")
+}
+
+fn sanitize(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            let c = c.to_ascii_lowercase();
+            if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The header names a policy document accepts (lower case).
+fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.')
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::import::input::parse_file;
+    use tollgate_core::policy::{AlgorithmName, KeyPart, Policies, Scope};
+
+    fn files(texts: &[&str]) -> Vec<ConfigFile> {
+        texts
+            .iter()
+            .enumerate()
+            .map(|(i, text)| parse_file(&format!("f{i}.yaml"), text).unwrap())
+            .collect()
+    }
+
+    fn options(sources: &[(&str, &str)]) -> Options {
+        Options {
+            sources: sources
+                .iter()
+                .map(|(k, s)| (k.to_string(), Source::parse(s).unwrap()))
+                .collect(),
+            ..Options::default()
+        }
+    }
+
+    /// The document as the filter and the limiter load it.
+    fn load(conversion: &Conversion) -> Policies {
+        let json = serde_json::to_vec(&conversion.document).unwrap();
+        Policies::from_json(&json).unwrap()
+    }
+
+    #[test]
+    fn nested_value_less_keys_become_header_parts_of_a_fixed_window() {
+        let conversion = convert(
+            &files(&["domain: messaging\ndescriptors:\n  - key: to_number\n    descriptors:\n      - key: user\n        rate_limit: {unit: day, requests_per_unit: 5}\n"]),
+            &options(&[("user", "X-User")]),
+        );
+        let policies = load(&conversion);
+        let policy = policies.get("messaging-to_number-user").unwrap();
+        assert_eq!(
+            policy.key,
+            [
+                KeyPart::Header("to_number".into()),
+                KeyPart::Header("x-user".into())
+            ]
+        );
+        assert_eq!((policy.units, policy.per_ms), (5, 86_400_000));
+        assert_eq!(policy.algorithm.name(), "fixed_window");
+        assert_eq!(policy.scope, Scope::Global);
+        assert!(policy.enforce);
+        let reads = &conversion.converted[0].reads;
+        assert!(reads[0].assumed && !reads[1].assumed, "{reads:?}");
+        assert!(conversion.skipped.is_empty() && conversion.differences.is_empty());
+        assert_eq!(
+            serde_json::to_value(&conversion.document.policies[0]).unwrap()["algorithm"],
+            serde_json::to_value(AlgorithmName::FixedWindow).unwrap()
+        );
+    }
+
+    #[test]
+    fn fixed_values_become_match_conditions_where_tollgate_has_them() {
+        let conversion = convert(
+            &files(&["domain: api\ndescriptors:\n  - key: method\n    value: POST\n    descriptors:\n      - key: host\n        value: API.example.com\n        descriptors:\n          - key: path\n            value: /v1/login\n            rate_limit: {unit: hour, requests_per_unit: 20}\n            shadow_mode: true\n"]),
+            &options(&[("method", ":method"), ("host", ":authority"), ("path", ":path")]),
+        );
+        let policies = load(&conversion);
+        let policy = &policies.policies[0];
+        assert!(!policy.enforce, "shadow_mode is enforce false");
+        assert!(policy
+            .match_request("api.example.com", "POST", "/v1/login")
+            .is_some());
+        assert!(policy
+            .match_request("api.example.com", "GET", "/v1/login")
+            .is_none());
+        assert!(policy
+            .match_request("other.example.com", "POST", "/v1/login")
+            .is_none());
+        assert!(policy
+            .match_request("api.example.com", "POST", "/v1/logout")
+            .is_none());
+        // Every level fixed: one bucket shared by every matching request.
+        assert!(
+            matches!(policy.key[..], [KeyPart::Constant(_)]),
+            "{:?}",
+            policy.key
+        );
+        assert_eq!((policy.units, policy.per_ms), (20, 3_600_000));
+    }
+
+    #[test]
+    fn what_cannot_be_expressed_is_listed_with_its_reason() {
+        let conversion = convert(
+            &files(&["domain: d\ndescriptors:\n  - key: database\n    value: users\n    rate_limit: {unit: second, requests_per_unit: 500}\n  - key: ldap\n    rate_limit: {unlimited: true}\n  - key: remote_address\n    value: 50.0.0.5\n    rate_limit: {unit: second, requests_per_unit: 0}\n  - key: k\n    value: v*\n    rate_limit: {unit: minute, requests_per_unit: 20}\n  - key: generic_key\n    value: slow\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: remote_address\n    rate_limit: {unit: second, requests_per_unit: 10}\n"]),
+            &Options::default(),
+        );
+        let reasons: Vec<(String, String)> = conversion
+            .skipped
+            .iter()
+            .map(|s| (s.descriptor.clone(), s.reasons.join("; ")))
+            .collect();
+        let reason_of = |descriptor: &str| {
+            reasons
+                .iter()
+                .find(|(d, _)| d == descriptor)
+                .map(|(_, r)| r.clone())
+                .unwrap_or_else(|| panic!("{descriptor} not listed: {reasons:?}"))
+        };
+        assert!(reason_of("d.database_users").contains("not a header's value"));
+        assert!(reason_of("d.ldap").contains("no policy is needed"));
+        assert!(reason_of("d.remote_address_50.0.0.5").contains("`requests_per_unit: 0`"));
+        assert!(reason_of("d.k_v*").contains("prefix match"));
+        assert!(reason_of("d.generic_key_slow").contains("generic_key action"));
+        assert_eq!(reasons.len(), 5);
+        // The value-less remote_address converts, with the more specific sibling noted.
+        let policies = load(&conversion);
+        let policy = policies.get("d-remote_address").unwrap();
+        assert_eq!(policy.key, [KeyPart::ClientIp { trusted_hops: 0 }]);
+        assert_eq!(conversion.differences.len(), 1);
+        assert!(conversion.differences[0].reason.contains(
+            "is `50.0.0.5`, which ratelimit gives to the more specific `d.remote_address_50.0.0.5`"
+        ));
+    }
+
+    #[test]
+    fn replaces_and_metric_options_are_differences() {
+        let conversion = convert(
+            &files(&["domain: d\ndescriptors:\n  - key: user\n    detailed_metric: true\n    rate_limit: {name: base, unit: second, requests_per_unit: 5}\n  - key: tenant\n    rate_limit: {replaces: [{name: base}], unit: second, requests_per_unit: 10}\n"]),
+            &Options::default(),
+        );
+        load(&conversion);
+        let differences: Vec<String> = conversion
+            .differences
+            .iter()
+            .map(|d| format!("{}: {}", d.policy, d.reason))
+            .collect();
+        assert_eq!(differences.len(), 2, "{differences:?}");
+        assert!(differences[0].starts_with("d-user: `detailed_metric`"));
+        assert!(differences[1].starts_with("d-tenant: `replaces: base`"));
+    }
+
+    #[test]
+    fn names_are_sanitized_unique_and_at_most_64_characters() {
+        let long = "k".repeat(80);
+        let conversion = convert(
+            &files(&[
+                &format!("domain: Shop.EU\ndescriptors:\n  - key: a.b\n    rate_limit: {{unit: second, requests_per_unit: 1}}\n  - key: a_b\n    rate_limit: {{unit: second, requests_per_unit: 2}}\n  - key: {long}\n    rate_limit: {{unit: year, requests_per_unit: 3}}\n"),
+            ]),
+            &options(&[("a.b", "x-a")]),
+        );
+        let names: Vec<&str> = conversion
+            .document
+            .policies
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect();
+        assert_eq!(names[0], "shop_eu-a_b");
+        assert!(
+            names[1].starts_with("shop_eu-a_b-") && names[1].len() == 20,
+            "{names:?}"
+        );
+        assert_eq!(names[2].len(), 64, "{names:?}");
+        let policies = load(&conversion);
+        assert_eq!(policies.policies[2].per_ms, 365 * 86_400_000);
+    }
+
+    #[test]
+    fn sources_parse_headers_pseudo_headers_and_the_client_ip() {
+        assert_eq!(
+            Source::parse("X-User-Id"),
+            Ok(Source::Header("x-user-id".into()))
+        );
+        assert_eq!(Source::parse(":method"), Ok(Source::Method));
+        assert_eq!(Source::parse("client_ip"), Ok(Source::ClientIp));
+        assert!(Source::parse("a header").is_err());
+        assert!(Source::parse(":scheme").is_err());
+    }
+}
