@@ -60,6 +60,10 @@ const PARENT_BACKOFF_MS: u64 = 250;
 /// Leases this close to their expiry go back to the parent with what they have left.
 const RETURN_MARGIN_MS: u64 = 200;
 
+/// When the reservoir is dry and the parent's answers went to others in the region: how soon
+/// to ask again.
+const RETRY_DRY_MS: u64 = 20;
+
 /// A reservoir nobody asked for this long, holding nothing, is forgotten.
 const IDLE_MS: u64 = 10_000;
 
@@ -165,6 +169,9 @@ struct Shared {
 /// the parent. Dropping it stops its background sweep.
 pub struct RegionalStore {
     inner: AnyStore,
+    /// Deadline of one call to `inner` (`--store-timeout`): the service's deadline for a
+    /// store call of a regional limiter also covers a wait for the parent.
+    inner_timeout: Duration,
     shared: Arc<Shared>,
     sweeper: JoinHandle<()>,
 }
@@ -188,6 +195,7 @@ impl RegionalStore {
     /// Starts the background sweep (needs a tokio runtime).
     pub fn new(
         inner: AnyStore,
+        inner_timeout: Duration,
         config: &RegionConfig,
         terms: Terms,
         policies: Arc<PolicyHandle>,
@@ -224,9 +232,21 @@ impl RegionalStore {
         });
         Ok(Self {
             inner,
+            inner_timeout,
             shared,
             sweeper,
         })
+    }
+
+    /// A call to the inner store under `--store-timeout`.
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.inner_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.inner_timeout)),
+        }
     }
 
     fn is_global(&self, policy: &str) -> bool {
@@ -291,9 +311,10 @@ impl Shared {
         true
     }
 
-    /// Takes in a parent answer (or its failure) and wakes the instances waiting for it.
+    /// Takes in a parent answer (or its failure) and wakes the instances waiting for it; with
+    /// a share, the renewal is scheduled for when the share stops dripping.
     fn received(
-        &self,
+        self: &Arc<Self>,
         id: &KeyId,
         lease_id: &str,
         result: Result<ParentGrant, ParentError>,
@@ -337,6 +358,9 @@ impl Shared {
                     .reservoir
                     .receive(lease_id, &got, sent_ms, now_ms, self.terms);
                 entry.refused = None;
+                if let Some(ends) = entry.reservoir.drip_ends_ms() {
+                    self.renew_at(id.clone(), ends.saturating_sub(now_ms));
+                }
                 self.metrics.regional_tokens(&id.0, "received", g.granted);
                 let drip = (got.share_per_ms * got.period_ms as f64).floor();
                 if drip >= 1.0 {
@@ -350,6 +374,20 @@ impl Shared {
             Err(ParentError::Unreachable(_)) => {}
         }
         entry.done.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Asks the parent for `id` again in `after_ms`, when its share stops dripping: the sweep
+    /// would find it up to a sweep later, and its instances' sub-shares end then.
+    fn renew_at(self: &Arc<Self>, id: KeyId, after_ms: u64) {
+        let shared = Arc::clone(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(after_ms)).await;
+            let now = shared.clock.now_ms();
+            let mut state = shared.lock();
+            if !Self::in_backoff(&state, now) {
+                shared.start_fetch(&mut state, &id, now);
+            }
+        });
     }
 
     /// Expiry, returns to the parent, background asks, idle reservoirs, gauges.
@@ -408,7 +446,8 @@ impl Shared {
         }
     }
 
-    /// One instance's lease of a global policy.
+    /// One instance's lease of a global policy: decided from the reservoir, waiting for the
+    /// parent (at most its deadline) only when the reservoir is dry.
     async fn lease(self: &Arc<Self>, item: &LeaseItem) -> Result<Grant, StoreError> {
         let id: KeyId = (item.policy.clone(), item.key.clone());
         let ask = ledger::Ask {
@@ -417,83 +456,99 @@ impl Shared {
             holder: item.holder.as_deref(),
             demand_per_ms: item.demand_per_ms,
         };
-        for round in 0..2 {
-            let now = self.clock.now_ms();
-            let mut done = {
-                let mut state = self.lock();
-                if !state.reservoirs.contains_key(&id) {
-                    if state.reservoirs.len() >= self.max_keys {
-                        return Err(StoreError::Config(format!(
-                            "the regional ledger holds --regional-keys ({}) keys",
-                            self.max_keys
-                        )));
-                    }
-                    state.reservoirs.insert(id.clone(), Entry::new());
-                }
-                let backoff = Self::in_backoff(&state, now);
-                let last_error = state.parent.last_error.clone();
-                let Some(entry) = state.reservoirs.get_mut(&id) else {
-                    return Err(StoreError::Protocol("reservoir vanished".into()));
-                };
-                if let Some(record) = entry.records.iter().find(|r| r.id == item.id) {
-                    return Ok(Grant {
-                        replayed: true,
-                        ..record.grant
-                    });
-                }
-                let expired = entry.reservoir.expire(now, self.terms);
-                self.metrics
-                    .regional_tokens(&id.0, "expired", expired.tokens);
-                match entry.reservoir.ask(ask, now, self.terms) {
-                    Answer::Decided(grant) => {
-                        let drip = (grant.share_per_ms * grant.period_ms as f64).floor() as u64;
-                        let taken = grant.granted.saturating_add(drip);
-                        if taken > 0 {
-                            self.metrics.regional_tokens(&id.0, "spent", grant.granted);
-                            if entry.records.len() >= RECORDS_PER_KEY {
-                                entry.records.pop_front();
-                            }
-                            entry.records.push_back(Record {
-                                id: item.id.clone(),
-                                grant,
-                                taken,
-                                returned: 0,
-                            });
-                        }
-                        if !backoff {
-                            self.start_fetch(&mut state, &id, now);
-                        }
-                        return Ok(grant);
-                    }
-                    Answer::Dry => {
-                        if let Some((until, reason)) = &entry.refused {
-                            if *until > now {
-                                return Err(StoreError::Server(reason.clone()));
-                            }
-                        }
-                        if backoff || round > 0 {
-                            return Err(StoreError::Connection(format!(
-                                "nothing held for this key and the parent limiter gave nothing: {last_error}"
-                            )));
-                        }
-                        let done = entry.done.subscribe();
-                        if !self.start_fetch(&mut state, &id, now) {
-                            return Err(StoreError::Connection(
-                                "nothing held for this key and no ask of the parent is possible now".into(),
-                            ));
-                        }
-                        done
-                    }
-                }
+        let deadline = tokio::time::Instant::now() + self.parent.timeout();
+        loop {
+            let mut done = match self.decide(&id, item, ask)? {
+                Decision::Decided(grant) => return Ok(grant),
+                Decision::Wait(done) => done,
             };
-            let wait = self.parent.timeout() + Duration::from_millis(50);
-            if tokio::time::timeout(wait, done.changed()).await.is_err() {
-                return Err(StoreError::Timeout(wait));
+            if tokio::time::timeout_at(deadline, done.changed())
+                .await
+                .is_err()
+            {
+                // The parent answered in time but others in the region took what it gave:
+                // ask again soon (the next background ask is on its way).
+                return if self.lock().parent.down_since_ms.is_none() {
+                    Ok(denial(RETRY_DRY_MS))
+                } else {
+                    Err(StoreError::Timeout(self.parent.timeout()))
+                };
             }
         }
-        Err(StoreError::Connection(
-            "the parent limiter gave nothing".into(),
-        ))
+    }
+
+    /// One attempt at deciding an instance's ask under the lock.
+    fn decide(
+        self: &Arc<Self>,
+        id: &KeyId,
+        item: &LeaseItem,
+        ask: ledger::Ask<'_>,
+    ) -> Result<Decision, StoreError> {
+        let now = self.clock.now_ms();
+        let mut state = self.lock();
+        if !state.reservoirs.contains_key(id) {
+            if state.reservoirs.len() >= self.max_keys {
+                return Err(StoreError::Config(format!(
+                    "the regional ledger holds --regional-keys ({}) keys",
+                    self.max_keys
+                )));
+            }
+            state.reservoirs.insert(id.clone(), Entry::new());
+        }
+        let backoff = Self::in_backoff(&state, now);
+        let last_error = state.parent.last_error.clone();
+        let Some(entry) = state.reservoirs.get_mut(id) else {
+            return Err(StoreError::Protocol("reservoir vanished".into()));
+        };
+        if let Some(record) = entry.records.iter().find(|r| r.id == item.id) {
+            return Ok(Decision::Decided(Grant {
+                replayed: true,
+                ..record.grant
+            }));
+        }
+        let expired = entry.reservoir.expire(now, self.terms);
+        self.metrics
+            .regional_tokens(&id.0, "expired", expired.tokens);
+        match entry.reservoir.ask(ask, now, self.terms) {
+            Answer::Decided(grant) => {
+                let drip = (grant.share_per_ms * grant.period_ms as f64).floor() as u64;
+                let taken = grant.granted.saturating_add(drip);
+                if taken > 0 {
+                    self.metrics.regional_tokens(&id.0, "spent", grant.granted);
+                    if entry.records.len() >= RECORDS_PER_KEY {
+                        entry.records.pop_front();
+                    }
+                    entry.records.push_back(Record {
+                        id: item.id.clone(),
+                        grant,
+                        taken,
+                        returned: 0,
+                    });
+                }
+                if !backoff {
+                    self.start_fetch(&mut state, id, now);
+                }
+                Ok(Decision::Decided(grant))
+            }
+            Answer::Dry => {
+                if let Some((until, reason)) = &entry.refused {
+                    if *until > now {
+                        return Err(StoreError::Server(reason.clone()));
+                    }
+                }
+                if backoff {
+                    return Err(StoreError::Connection(format!(
+                        "nothing held for this key and the parent limiter is unreachable: {last_error}"
+                    )));
+                }
+                let done = entry.done.subscribe();
+                if self.start_fetch(&mut state, id, now) {
+                    Ok(Decision::Wait(done))
+                } else {
+                    Ok(Decision::Decided(denial(RETRY_DRY_MS)))
+                }
+            }
+        }
     }
 
     /// An instance gives back unused tokens of a lease of a global policy.
@@ -524,6 +579,26 @@ impl Shared {
     }
 }
 
+/// What one attempt at an ask came to.
+enum Decision {
+    Decided(Grant),
+    /// Dry: wait for the parent's answer to the ask in flight.
+    Wait(watch::Receiver<u64>),
+}
+
+/// Nothing now; ask again in `retry_after_ms`.
+fn denial(retry_after_ms: u64) -> Grant {
+    Grant {
+        granted: 0,
+        remaining: 0.0,
+        retry_after_ms,
+        replayed: false,
+        share_per_ms: 0.0,
+        period_ms: 0,
+        expires_ms: None,
+    }
+}
+
 fn outcome<T>(result: &Result<T, ParentError>) -> &'static str {
     match result {
         Ok(_) => "ok",
@@ -536,7 +611,7 @@ impl Store for RegionalStore {
     async fn lease(&self, items: &[LeaseItem]) -> Result<LeaseOutcome, StoreError> {
         let global = items.iter().filter(|i| self.is_global(&i.policy)).count();
         match (global, items) {
-            (0, _) => self.inner.lease(items).await,
+            (0, _) => self.bounded(self.inner.lease(items)).await,
             (1, [item]) => {
                 let grant = self.shared.lease(item).await?;
                 Ok(LeaseOutcome {
@@ -556,7 +631,7 @@ impl Store for RegionalStore {
         if self.is_global(&item.policy) {
             Ok(self.shared.give_back(item))
         } else {
-            self.inner.give_back(item).await
+            self.bounded(self.inner.give_back(item)).await
         }
     }
 

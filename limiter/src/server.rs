@@ -310,6 +310,7 @@ fn regional_store(
     let region_metrics = RegionMetrics::new(metrics.registry())?;
     Ok(RegionalStore::new(
         store,
+        config.store_timeout,
         region,
         terms,
         Arc::clone(policies),
@@ -367,7 +368,13 @@ async fn serve_with_store<S: Store>(
         metrics.clone(),
         ServiceSettings {
             lease_ttl: config.lease_ttl,
-            store_timeout: config.store_timeout,
+            // A regional limiter's store call may wait for the parent (a dry reservoir).
+            store_timeout: match &config.region {
+                Some(region) => {
+                    config.store_timeout + region.parent_timeout + Duration::from_millis(50)
+                }
+                None => config.store_timeout,
+            },
         },
     ));
 

@@ -53,7 +53,7 @@ fn policies(units: u64, per: &str, burst: u64) -> String {
       "on_unavailable": {{ "mode": "closed" }}
     }}
   ],
-  "limiter": {{ "cluster": "tollgate_limiter", "timeout": "500ms" }}
+  "limiter": {{ "cluster": "tollgate_limiter", "timeout": "1s" }}
 }}"#
     )
 }
@@ -142,7 +142,7 @@ impl Region {
                 "--region",
                 name,
                 "--parent-timeout",
-                "200ms",
+                "400ms",
             ],
         );
         let envoy = Envoy::start(
@@ -509,13 +509,13 @@ async fn a_partitioned_region_spends_what_it_holds_then_fails_closed_and_rejoins
     assert!(b.statuses_other_than(&[200, 429, 503]).is_empty());
     assert!(b.admitted_between(0.0, cut) > 0);
     // B spends what it holds until the parent's lease (2 s) and its assignment (1 s) end,
-    // then fails closed: 503, each within the filter's 500 ms callout deadline plus margin.
+    // then fails closed: 503, each within the filter's 1 s callout deadline plus margin.
     assert!(
         b_last_before_heal <= cut + 3.5,
         "B admitted until {b_last_before_heal:.2} s after a cut at {cut} s"
     );
     assert!(b_503 > 0);
-    assert!(slowest <= Duration::from_millis(1_500), "{slowest:?}");
+    assert!(slowest <= Duration::from_millis(2_000), "{slowest:?}");
     assert_eq!(during.0, 0.0, "parent_reachable during the partition");
     assert!(during.1 >= 1.0, "partition_seconds {}", during.1);
     // The fleet stays within the budget: B only spent what had left the parent already.

@@ -188,6 +188,11 @@ impl Reservoir {
         self.spendable(now_ms) + rest.floor().max(0.0) as u64
     }
 
+    /// When the region's running drip stops (and it renews), if it has one.
+    pub fn drip_ends_ms(&self) -> Option<u64> {
+        self.drip.as_ref().map(|d| d.ends_ms)
+    }
+
     /// Whether the region's assignment from the parent is still dripping.
     pub fn dripping(&self, now_ms: u64) -> bool {
         self.drip.as_ref().is_some_and(|d| d.ends_ms > now_ms)
