@@ -406,7 +406,8 @@ pub fn overload_svg(panels: &[OverloadPanel], subtitle: &str) -> Result<String, 
                     .collect::<Vec<_>>()
             })
             .fold(1.0_f64, f64::max)
-            * 1.15;
+            // Room above the lines for the legend.
+            * 1.6;
         let areas = body.split_evenly((1, panels.len()));
         for (panel, area) in panels.iter().zip(areas.iter()) {
             draw_overload_panel(panel, area, top)?;
@@ -433,7 +434,7 @@ where
         )
         .margin(10)
         .x_label_area_size(34)
-        .y_label_area_size(44)
+        .y_label_area_size(52)
         .build_cartesian_2d(0.0..seconds as f64, 0.0..top)
         .map_err(draw_err)?;
     chart
@@ -442,6 +443,7 @@ where
         .y_desc("requests/s")
         .x_labels(seconds + 1)
         .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .draw()
         .map_err(draw_err)?;
     // Each second's count drawn at the middle of its second.

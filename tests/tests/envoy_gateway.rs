@@ -27,7 +27,10 @@ fn problems(doc: &Value) -> Vec<String> {
     let only = |v: &Value, path: &str, known: &[&str], out: &mut Vec<String>| match v.as_object() {
         Some(map) => {
             for k in map.keys().filter(|k| !known.contains(&k.as_str())) {
-                out.push(format!("{path}.{k}: not a field of EnvoyExtensionPolicy"));
+                out.push(format!(
+                    "{}/{k}: not a field of EnvoyExtensionPolicy",
+                    path.trim_end_matches('/')
+                ));
             }
         }
         None => out.push(format!("{path}: not an object")),
@@ -55,11 +58,12 @@ fn problems(doc: &Value) -> Vec<String> {
     let spec = &doc["spec"];
     only(
         spec,
-        ".spec",
+        "/spec",
         &[
+            "targetRef",
             "targetRefs",
             "targetSelectors",
-            "priority",
+            "mergeType",
             "wasm",
             "extProc",
             "lua",
@@ -256,4 +260,10 @@ fn the_checker_refuses_broken_manifests() {
         breaks(&mut doc);
         assert!(!problems(&doc).is_empty(), "{what} passed the check");
     }
+    let mut typo = good.clone();
+    typo["spec"]["wasm"][0]["failOpne"] = json!(false);
+    assert_eq!(
+        problems(&typo),
+        vec!["/spec/wasm/0/failOpne: not a field of EnvoyExtensionPolicy".to_string()]
+    );
 }
