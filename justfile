@@ -134,6 +134,11 @@ bench *args: build-wasm build-limiter-server
     cargo build --profile server -p tollgate-bench
     TOLLGATE_LIMITER_BIN=target/server/tollgate-limiter target/server/tollgate-bench {{args}}
 
+# Draw bench/results/ratios.svg and overload.svg again from stored results, measuring nothing:
+# each chart from the first file that has its data (`just bench` also writes them).
+bench-charts *files="bench/results/latest.json bench/results/overload.json":
+    cargo run -q -p tollgate-bench -- chart {{files}}
+
 # Criterion microbenchmarks of the core and the filter's decision path (ns per operation).
 # Also writes bench/results/micro.{md,json}; args go to criterion (e.g. a name filter).
 bench-micro *args:

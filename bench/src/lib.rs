@@ -3,8 +3,10 @@
 //! "Benchmarks"), plus criterion microbenchmarks of the core (`benches/core.rs`).
 //!
 //! The library holds the parts with logic worth a unit test: config edits, wrk output, Redis
-//! and `/proc` counters, medians, ratios and targets, the report, scenario 7's paced load.
+//! and `/proc` counters, medians, ratios and targets, the report, scenario 7's paced load,
+//! the SVG charts drawn from the JSON result.
 
+pub mod chart;
 pub mod config;
 pub mod micro;
 pub mod paced;

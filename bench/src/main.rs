@@ -32,6 +32,11 @@
 //! --only 1,2,5 (scenario ids, e.g. `--only 5,5t`, `--only 4,4s,5,5s` or `--only 4,4f,4w,4l`; 7
 //! for the over-limit run) --s7-seconds S (8, per variant and round: 3 rounds take about 80 s)
 //! --out DIR (bench/results) --no-write (print only).
+//!
+//! Besides latest.{md,json} a run writes `ratios.svg` (when it has ratios to S3) and
+//! `overload.svg` (when it ran scenario 7) into --out. `tollgate-bench chart [--out DIR]
+//! FILE...` draws them again from stored results, each chart from the first FILE that has its
+//! data (`just bench-charts`).
 
 #![allow(clippy::expect_used, clippy::panic)]
 
@@ -41,6 +46,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tollgate_bench::chart;
 use tollgate_bench::config::{
     self, PolicyDoc, ALGORITHMS, CLOSED, LOG_WINDOW, MAX_LOG_LIMIT, ROUTE, SETTLE_ACTUAL,
     SETTLE_HEADER, SETTLE_RESERVED,
@@ -718,6 +724,7 @@ fn over_limit(a: &Args) -> Vec<OverLimitRun> {
                     lease_calls: af.lease_calls - b.lease_calls,
                     lease_calls_after_1s: af.lease_calls - one.lease_calls,
                     assignments: af.assignments - b.assignments,
+                    per_second: t.per_second,
                 };
                 admitted_us.extend(t.admitted_us);
                 denied_us.extend(t.denied_us);
@@ -822,10 +829,48 @@ fn micro_summary(out: &std::path::Path) {
     std::fs::write(out.join("micro.json"), json + "\n").expect("write micro.json");
 }
 
+/// `tollgate-bench chart [--out DIR] FILE...`: the SVG charts of stored results.
+fn chart_command(argv: Vec<String>) {
+    let mut out = paths::workspace_root().join("bench/results");
+    let mut files = Vec::new();
+    let mut it = argv.into_iter();
+    while let Some(arg) = it.next() {
+        if arg == "--out" {
+            out = PathBuf::from(it.next().unwrap_or_else(|| {
+                eprintln!("chart: --out needs a directory");
+                std::process::exit(2)
+            }));
+        } else {
+            files.push(PathBuf::from(arg));
+        }
+    }
+    match chart::write_charts(&files, &out) {
+        Ok(written) => {
+            for f in &written.files {
+                eprintln!("wrote {}", f.display());
+            }
+            for s in &written.skipped {
+                eprintln!("{s}");
+            }
+        }
+        Err(e) => {
+            eprintln!("chart: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 fn main() {
-    if std::env::args().nth(1).as_deref() == Some("micro-summary") {
-        micro_summary(&paths::workspace_root().join("bench/results"));
-        return;
+    match std::env::args().nth(1).as_deref() {
+        Some("micro-summary") => {
+            micro_summary(&paths::workspace_root().join("bench/results"));
+            return;
+        }
+        Some("chart") => {
+            chart_command(std::env::args().skip(2).collect());
+            return;
+        }
+        _ => {}
     }
     let a = args();
     let wanted = |id: &str| a.only.as_ref().map_or(true, |o| o.iter().any(|x| x == id));
@@ -1001,13 +1046,27 @@ fn main() {
     println!("{md}");
     if a.write {
         std::fs::create_dir_all(&a.out).expect("create the results directory");
-        let json = serde_json::to_string_pretty(&report.json()).expect("JSON");
+        let value = report.json();
+        let json = serde_json::to_string_pretty(&value).expect("JSON");
         std::fs::write(a.out.join("latest.md"), &md).expect("write latest.md");
         std::fs::write(a.out.join("latest.json"), json + "\n").expect("write latest.json");
         eprintln!(
             "wrote {} and latest.json",
             a.out.join("latest.md").display()
         );
+        let rendered = chart::render(&value);
+        for (svg, name) in [
+            (rendered.ratios, "ratios.svg"),
+            (rendered.overload, "overload.svg"),
+        ] {
+            match svg {
+                Ok(svg) => {
+                    std::fs::write(a.out.join(name), svg).expect("write the chart");
+                    eprintln!("wrote {}", a.out.join(name).display());
+                }
+                Err(e) => eprintln!("{name} not written: {e}"),
+            }
+        }
     }
     if !unsettled.is_empty() {
         eprintln!(

@@ -6,7 +6,8 @@
 //! demand of `r` requests per second per key, tick `n` brings the total sent to
 //! `floor(r × tick × (n + 1))` per key ([`due`]), so the offered rate is exact whatever the
 //! rate and tick, and late ticks catch up instead of lowering the demand. A tick's requests
-//! start together, one connection each, keys interleaved.
+//! start together, one connection each, keys interleaved. Every answer is also counted in the
+//! second of the run its tick was sent in ([`Second`]), per instance, for the over-time chart.
 
 use std::time::{Duration, Instant};
 
@@ -35,6 +36,27 @@ pub struct Demand {
     pub per_key_per_s: f64,
 }
 
+/// One second of a paced run at one instance: what was sent in it and how it was answered.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Second {
+    pub offered: u64,
+    pub admitted: u64,
+    pub denied: u64,
+}
+
+impl Second {
+    fn add(&mut self, other: Second) {
+        self.offered += other.offered;
+        self.admitted += other.admitted;
+        self.denied += other.denied;
+    }
+}
+
+/// The second of the run (0-based) tick `n` is sent in.
+pub fn second_of_tick(n: u64, tick: Duration) -> usize {
+    ((n as f64 * tick.as_secs_f64()) + 1e-9).floor() as usize
+}
+
 /// What one instance saw during a paced run.
 #[derive(Debug, Clone, Default)]
 pub struct Tally {
@@ -49,6 +71,8 @@ pub struct Tally {
     /// Latency of every 200 and every 429, µs.
     pub admitted_us: Vec<u64>,
     pub denied_us: Vec<u64>,
+    /// Per second of the run (by the second each request was sent in).
+    pub per_second: Vec<Second>,
 }
 
 impl Tally {
@@ -61,6 +85,13 @@ impl Tally {
         self.admitted_steady += other.admitted_steady;
         self.admitted_us.extend(other.admitted_us);
         self.denied_us.extend(other.denied_us);
+        if self.per_second.len() < other.per_second.len() {
+            self.per_second
+                .resize(other.per_second.len(), Second::default());
+        }
+        for (sum, s) in self.per_second.iter_mut().zip(other.per_second) {
+            sum.add(s);
+        }
     }
 }
 
@@ -77,9 +108,13 @@ async fn tick_burst(
     per_key: u64,
     first_id: u64,
     steady: bool,
+    second: usize,
 ) -> Tally {
     let n = (per_key as usize) * tenants.len();
-    let mut t = Tally::default();
+    let mut t = Tally {
+        per_second: vec![Second::default(); second + 1],
+        ..Tally::default()
+    };
     if n == 0 || tenants.is_empty() {
         return t;
     }
@@ -88,8 +123,10 @@ async fn tick_burst(
         request(tenant, first_id + i as u64)
     })
     .await;
+    let mut this_second = Second::default();
     for r in results {
         t.offered += 1;
+        this_second.offered += 1;
         if steady {
             t.offered_steady += 1;
         }
@@ -97,6 +134,7 @@ async fn tick_burst(
         match r.response.as_ref().map(|resp| resp.status) {
             Ok(200) => {
                 t.admitted += 1;
+                this_second.admitted += 1;
                 if steady {
                     t.admitted_steady += 1;
                 }
@@ -104,10 +142,14 @@ async fn tick_burst(
             }
             Ok(429) => {
                 t.denied += 1;
+                this_second.denied += 1;
                 t.denied_us.push(us);
             }
             _ => t.other += 1,
         }
+    }
+    if let Some(slot) = t.per_second.get_mut(second) {
+        *slot = this_second;
     }
     t
 }
@@ -142,11 +184,12 @@ pub async fn run(
             let port = d.port;
             // Request ids unique per instance and tick (paths only; the key is the header).
             let first_id = (n * 2 + i as u64) * 10_000;
+            let second = second_of_tick(n, TICK);
             pending.push((
                 i,
-                tokio::spawn(
-                    async move { tick_burst(port, &tenants, per_key, first_id, steady).await },
-                ),
+                tokio::spawn(async move {
+                    tick_burst(port, &tenants, per_key, first_id, steady, second).await
+                }),
             ));
         }
     }
@@ -181,5 +224,56 @@ mod tests {
         assert_eq!(due(50.0, tick, 49), 50);
         assert_eq!(due(0.0, tick, 10), 0);
         assert_eq!(ticks(0.001, tick), 1);
+    }
+
+    #[test]
+    fn ticks_fall_in_their_second() {
+        let tick = Duration::from_millis(20);
+        assert_eq!(second_of_tick(0, tick), 0);
+        assert_eq!(second_of_tick(49, tick), 0);
+        assert_eq!(second_of_tick(50, tick), 1);
+        assert_eq!(second_of_tick(399, tick), 7);
+    }
+
+    #[test]
+    fn tallies_add_up_per_second() {
+        let one = |second: usize, admitted: u64| Tally {
+            offered: 3,
+            admitted,
+            denied: 3 - admitted,
+            per_second: {
+                let mut v = vec![Second::default(); second + 1];
+                if let Some(s) = v.get_mut(second) {
+                    *s = Second {
+                        offered: 3,
+                        admitted,
+                        denied: 3 - admitted,
+                    };
+                }
+                v
+            },
+            ..Tally::default()
+        };
+        let mut sum = Tally::default();
+        sum.add(one(2, 1));
+        sum.add(one(0, 3));
+        sum.add(one(2, 2));
+        assert_eq!(sum.offered, 9);
+        assert_eq!(
+            sum.per_second,
+            vec![
+                Second {
+                    offered: 3,
+                    admitted: 3,
+                    denied: 0
+                },
+                Second::default(),
+                Second {
+                    offered: 6,
+                    admitted: 3,
+                    denied: 3
+                },
+            ]
+        );
     }
 }

@@ -46,6 +46,9 @@ pub struct InstanceRun {
     pub lease_calls_after_1s: u64,
     /// Limiter answers carrying a share of the rate (assignments) during the run.
     pub assignments: u64,
+    /// Offered, answered 200 and answered 429 per second of the run, by the second each
+    /// request was sent in (the load generator's count).
+    pub per_second: Vec<crate::paced::Second>,
 }
 
 /// Latency of one kind of answer: how many, median and 99th percentile.
@@ -1111,6 +1114,11 @@ impl Report {
                             "lease_calls": i.lease_calls,
                             "lease_calls_after_1s": i.lease_calls_after_1s,
                             "assignments": i.assignments,
+                            "per_second": i.per_second.iter().map(|s| json!({
+                                "offered": s.offered,
+                                "admitted": s.admitted,
+                                "denied": s.denied,
+                            })).collect::<Vec<_>>(),
                         })
                     })
                     .collect();
