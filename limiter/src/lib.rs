@@ -7,7 +7,7 @@
 //!
 //! Layout: `server` starts everything ([`serve`]), `http` maps routes onto `service`
 //! (validation, units, deadlines, answers), [`store`] holds the buckets, `policies` keeps
-//! the policy document current, `metrics` exports what happened, [`tls`] is the
+//! the policy document current, `metrics` exports what happened, `observe` keeps hot keys and key counts, [`tls`] is the
 //! lease listener's mutual TLS, [`config`] is the CLI and
 //! [`check`] the policy checker. Only what the binary and the tests use is public.
 //!
@@ -19,10 +19,12 @@ mod clock;
 pub mod config;
 mod http;
 mod metrics;
+mod observe;
 mod policies;
 mod server;
 mod service;
 pub mod store;
 pub mod tls;
 
+pub use observe::HotKeySettings;
 pub use server::{serve, Running, ServerConfig, StartError, StoreConfig};

@@ -1,11 +1,12 @@
 //! Starting and stopping a limiter: the one entry point shared by the binary, the integration
 //! tests and the benchmark (`serve` binds, spawns, and hands back the address and a handle).
 //!
-//! Besides the HTTP server it runs background tasks: the policy file watcher, the active-keys
-//! sampler and, over TLS, the certificate reloader. The lease listener speaks plaintext (h2c,
-//! for loopback and demos) or TLS with client certificates ([`crate::tls`]); an optional admin
-//! listener serves only `/healthz`, `/readyz` and `/metrics` in plaintext, for probes and
-//! scrapers that hold no client certificate. Shutdown stops accepting, lets in-flight requests
+//! Besides the HTTP server it runs background tasks: the policy file watcher, the store
+//! sampler (key counts, execution statistics), the hot-key check and, over TLS, the
+//! certificate reloader. The lease listener speaks plaintext (h2c, for loopback and demos) or
+//! TLS with client certificates ([`crate::tls`]); an optional admin listener serves only
+//! `/healthz`, `/readyz`, `/metrics` and `/v1/hot-keys` (hashed keys only) in plaintext, for
+//! probes, scrapers and operators that hold no client certificate. Shutdown stops accepting, lets in-flight requests
 //! finish (bounded), then stops the tasks.
 
 use std::net::SocketAddr;
@@ -23,6 +24,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
+use crate::observe::{self, HotKeySettings, Observer};
 use crate::policies::{self, LoadError, PolicyHandle};
 use crate::service::{Service, ServiceSettings};
 use crate::store::{
@@ -31,8 +33,10 @@ use crate::store::{
 };
 use crate::tls::{Acceptor, TlsError, TlsSettings};
 
-/// How often the active-keys gauge is sampled.
-const ACTIVE_KEYS_EVERY: Duration = Duration::from_secs(5);
+/// How often the store's key counts and execution statistics are sampled.
+const STORE_SAMPLE_EVERY: Duration = Duration::from_secs(5);
+/// How often keys above `--hot-key-share` are looked for.
+const HOT_KEY_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// How long shutdown waits for in-flight requests.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -113,7 +117,7 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// The lease listener over mutual TLS; `None`: plaintext.
     pub tls: Option<TlsSettings>,
-    /// A plaintext listener for `/healthz`, `/readyz` and `/metrics` only.
+    /// A plaintext listener for `/healthz`, `/readyz`, `/metrics` and `/v1/hot-keys` only.
     pub admin_listen: Option<SocketAddr>,
     pub store: StoreConfig,
     /// TLS files and ACL credentials for Redis (`store::security`); none by default.
@@ -130,12 +134,14 @@ pub struct ServerConfig {
     pub store_timeout: Duration,
     /// How often the policy file is checked for changes.
     pub policy_poll: Duration,
+    /// Hot-key reporting (`GET /v1/hot-keys`, the hot-key log line).
+    pub hot_keys: HotKeySettings,
 }
 
 impl ServerConfig {
     /// Defaults for everything but the policy file: loopback port 8081, memory store, 2 s
     /// leases remembered 60 s, 1 s assignments, 50 ms store timeout, policy file polled every
-    /// second.
+    /// second, the default hot-key settings.
     pub fn new(policies: impl Into<PathBuf>) -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
@@ -149,6 +155,7 @@ impl ServerConfig {
             assignment_period: Duration::from_secs(1),
             store_timeout: Duration::from_millis(50),
             policy_poll: Duration::from_secs(1),
+            hot_keys: HotKeySettings::default(),
         }
     }
 
@@ -187,6 +194,7 @@ impl ServerConfig {
                 "--policy-poll must be longer than 0".into(),
             ));
         }
+        self.hot_keys.check().map_err(StartError::Config)?;
         if let StoreConfig::Cluster(urls) = &self.store {
             if urls.is_empty() {
                 return Err(StartError::Config(
@@ -318,15 +326,21 @@ async fn serve_with_store<S: Store>(config: ServerConfig, store: S) -> Result<Ru
     tracing::info!(version = %policies.version, policies = policies.policies.len(),
         path = %config.policies.display(), "policies loaded");
     let handle = Arc::new(PolicyHandle::new(policies));
-    let service = Arc::new(Service::new(
-        Arc::new(store),
-        Arc::clone(&handle),
-        metrics.clone(),
-        ServiceSettings {
-            lease_ttl: config.lease_ttl,
-            store_timeout: config.store_timeout,
-        },
-    ));
+    let salt = config.hot_keys.load_salt().map_err(StartError::Config)?;
+    let observer = Observer::new(config.hot_keys.clone(), &salt, metrics.clone());
+    let store = Arc::new(store);
+    let service = Arc::new(
+        Service::new(
+            Arc::clone(&store),
+            Arc::clone(&handle),
+            metrics.clone(),
+            ServiceSettings {
+                lease_ttl: config.lease_ttl,
+                store_timeout: config.store_timeout,
+            },
+        )
+        .with_observer(observer.clone()),
+    );
 
     let (listener, addr) = bind(config.listen).await?;
     let admin = match config.admin_listen {
@@ -366,9 +380,20 @@ async fn serve_with_store<S: Store>(config: ServerConfig, store: S) -> Result<Ru
         async move {
             // First contact with the store: replace its functions with this build's.
             service.prepare_store().await;
+            let deadline = config.store_timeout.max(Duration::from_secs(2));
             loop {
                 service.sample_active_keys().await;
-                tokio::time::sleep(ACTIVE_KEYS_EVERY).await;
+                observe::sample_exec(&*store, &observer, deadline).await;
+                tokio::time::sleep(STORE_SAMPLE_EVERY).await;
+            }
+        }
+    }));
+    tasks.push(tokio::spawn({
+        let observer = service.observer().clone();
+        async move {
+            loop {
+                tokio::time::sleep(HOT_KEY_CHECK_EVERY).await;
+                observer.check_hot_keys();
             }
         }
     }));
@@ -382,7 +407,7 @@ async fn serve_with_store<S: Store>(config: ServerConfig, store: S) -> Result<Ru
                 tracing::error!(error = %e, "admin listener failed");
             }
         }));
-        tracing::info!(%admin_addr, "admin listener (health, readiness, metrics) listening");
+        tracing::info!(%admin_addr, "admin listener (health, readiness, metrics, hot keys) listening");
     }
     let transport = if tls.is_some() {
         "mutual TLS"
