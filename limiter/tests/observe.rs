@@ -308,7 +308,9 @@ async fn the_hot_tenant_tops_the_report_and_is_logged_redis() {
     assert_eq!(v["key"], hot_hash.as_str(), "{line}");
     assert_eq!(v["policy"], POLICY, "{line}");
     assert_eq!(v["node"], node.as_str(), "{line}");
-    assert_eq!(v["calls"], HOT_CALLS as u64, "{line}");
+    // The check runs every second, so it may have caught the drive halfway.
+    let logged = v["calls"].as_u64().unwrap();
+    assert!((100..=HOT_CALLS as u64).contains(&logged), "{line}");
     let log = child.stderr();
     assert!(!log.contains(&secret), "a tenant id in the log:\n{log}");
     assert_eq!(log.matches("hot key:").count(), 1, "{log}");
