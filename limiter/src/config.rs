@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use tollgate_core::duration::Millis;
 
+use crate::observe::HotKeySettings;
 use crate::region::RegionConfig;
 use crate::server::{ServerConfig, StoreConfig};
 use crate::store::security::PASSWORD_ENV;
@@ -68,8 +69,8 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_TLS_RELOAD_EVERY", default_value = "10s", value_parser = parse_duration)]
     pub tls_reload_every: Duration,
 
-    /// Also serve /healthz, /readyz and /metrics (nothing else) in plaintext on this address,
-    /// for probes and scrapers without a client certificate.
+    /// Also serve /healthz, /readyz, /metrics and /v1/hot-keys (nothing else) in plaintext on
+    /// this address, for probes, scrapers and operators without a client certificate.
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
 
@@ -174,6 +175,27 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_POLICY_POLL", default_value = "1s", value_parser = parse_duration)]
     pub policy_poll: Duration,
 
+    /// Busiest keys reported per policy by GET /v1/hot-keys (1 to 100); each policy keeps
+    /// 4 × this many counters per 10 seconds, whatever the traffic.
+    #[arg(long, env = "TOLLGATE_HOT_KEYS", default_value_t = 10)]
+    pub hot_keys: usize,
+
+    /// Log a warning when one key takes more than this share of its node's lease calls over
+    /// the last minute (a fraction: 0.2 = 20 %).
+    #[arg(long, env = "TOLLGATE_HOT_KEY_SHARE", default_value_t = 0.2, value_parser = parse_share)]
+    pub hot_key_share: f64,
+
+    /// ...once the key has at least this many lease calls in the last minute, so a quiet
+    /// limiter does not log.
+    #[arg(long, env = "TOLLGATE_HOT_KEY_MIN_CALLS", default_value_t = 1_000)]
+    pub hot_key_min_calls: u64,
+
+    /// Salt of the key hash shown for hot keys (the file's content, trailing newlines
+    /// trimmed): the same on every replica, and whoever holds it can check which hash a
+    /// tenant has. Without it, a random salt per process.
+    #[arg(long, env = "TOLLGATE_HOT_KEY_SALT_FILE", value_name = "FILE")]
+    pub hot_key_salt_file: Option<PathBuf>,
+
     /// Log format.
     #[arg(
         long,
@@ -228,6 +250,16 @@ fn parse_key_source(text: &str) -> Result<(String, crate::import::Source), Strin
         .filter(|(key, _)| !key.is_empty())
         .ok_or_else(|| format!("`{text}` is not KEY=SOURCE"))?;
     Ok((key.to_string(), crate::import::Source::parse(source)?))
+}
+
+/// A share: a number above 0 and at most 1.
+fn parse_share(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(share) if share.is_finite() && share > 0.0 && share <= 1.0 => Ok(share),
+        _ => Err(format!(
+            "`{text}` is not a fraction above 0 and at most 1 (e.g. 0.2)"
+        )),
+    }
 }
 
 /// `25ms`, `2s`, `1m`: the policy document's duration syntax.
@@ -287,6 +319,12 @@ impl Cli {
                 }),
                 _ => None,
             },
+            hot_keys: HotKeySettings {
+                top: self.hot_keys,
+                share: self.hot_key_share,
+                min_calls: self.hot_key_min_calls,
+                salt_file: self.hot_key_salt_file.clone(),
+            },
         }
     }
 }
@@ -318,6 +356,7 @@ mod tests {
         assert_eq!(c.dedup_ttl, Duration::from_secs(60));
         assert_eq!(c.assignment_period, Duration::from_secs(1));
         assert_eq!(c.store_timeout, Duration::from_millis(50));
+        assert_eq!(c.hot_keys, HotKeySettings::default());
 
         let cli = Cli::try_parse_from([
             "tollgate-limiter",
@@ -523,5 +562,58 @@ mod tests {
         ])
         .is_err());
         assert!(Cli::try_parse_from(["tollgate-limiter"]).is_err());
+    }
+
+    #[test]
+    fn hot_key_flags() {
+        let parse = |more: &[&str]| {
+            Cli::try_parse_from(
+                ["tollgate-limiter", "--policies", "p.json"]
+                    .iter()
+                    .chain(more)
+                    .copied(),
+            )
+            .map(|cli| cli.server_config().hot_keys)
+        };
+        let h = parse(&[
+            "--hot-keys",
+            "25",
+            "--hot-key-share",
+            "0.5",
+            "--hot-key-min-calls",
+            "50",
+            "--hot-key-salt-file",
+            "/run/secrets/salt",
+        ])
+        .unwrap();
+        assert_eq!(
+            h,
+            HotKeySettings {
+                top: 25,
+                share: 0.5,
+                min_calls: 50,
+                salt_file: Some(PathBuf::from("/run/secrets/salt")),
+            }
+        );
+        for share in ["0", "1.5", "-0.1", "NaN", "lots"] {
+            let e = parse(&[&format!("--hot-key-share={share}")])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("--hot-key-share") && e.contains("fraction"),
+                "{e}"
+            );
+        }
+        // Range checks the parser leaves to the server name their flag too.
+        let mut c = ServerConfig::new("p.json");
+        c.hot_keys.top = 0;
+        assert!(c.hot_keys.check().unwrap_err().contains("--hot-keys"));
+        c.hot_keys.top = 10;
+        c.hot_keys.min_calls = 0;
+        assert!(c
+            .hot_keys
+            .check()
+            .unwrap_err()
+            .contains("--hot-key-min-calls"));
     }
 }

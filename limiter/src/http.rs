@@ -19,11 +19,16 @@ use tollgate_core::protocol::{LEASES_PATH, MAX_BODY_BYTES, RETURNS_PATH};
 use crate::service::{Reply, Service};
 use crate::store::Store;
 
+/// The hot-key report (`observe`): hashed keys only, so it is served on the admin listener
+/// too.
+pub const HOT_KEYS_PATH: &str = "/v1/hot-keys";
+
 /// The limiter's routes over a service.
 pub fn router<S: Store>(service: Arc<Service<S>>) -> Router {
     Router::new()
         .route(LEASES_PATH, post(leases::<S>))
         .route(RETURNS_PATH, post(returns::<S>))
+        .route(HOT_KEYS_PATH, get(hot_keys::<S>))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz::<S>))
         .route("/metrics", get(metrics::<S>))
@@ -31,9 +36,11 @@ pub fn router<S: Store>(service: Arc<Service<S>>) -> Router {
         .with_state(service)
 }
 
-/// The admin listener's routes: health, readiness and metrics, never the lease endpoints.
+/// The admin listener's routes: health, readiness, metrics and the hot-key report, never the
+/// lease endpoints.
 pub fn admin_router<S: Store>(service: Arc<Service<S>>) -> Router {
     Router::new()
+        .route(HOT_KEYS_PATH, get(hot_keys::<S>))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz::<S>))
         .route("/metrics", get(metrics::<S>))
@@ -95,7 +102,14 @@ async fn readyz<S: Store>(State(service): State<Arc<Service<S>>>) -> Response {
     reply(r)
 }
 
+async fn hot_keys<S: Store>(State(service): State<Arc<Service<S>>>) -> Response {
+    let r = Reply::json(200, &service.observer().hot_keys_json());
+    service.metrics().response("hot_keys", r.status);
+    reply(r)
+}
+
 async fn metrics<S: Store>(State(service): State<Arc<Service<S>>>) -> Response {
+    service.observer().refresh_gauges();
     let mut response = service.metrics().render().into_response();
     response.headers_mut().insert(
         header::CONTENT_TYPE,

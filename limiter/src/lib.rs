@@ -7,11 +7,11 @@
 //!
 //! Layout: `server` starts everything ([`serve`]), `http` maps routes onto `service`
 //! (validation, units, deadlines, answers), [`store`] holds the buckets, `policies` keeps
-//! the policy document current, `metrics` exports what happened, [`tls`] is the
-//! lease listener's mutual TLS, [`config`] is the CLI, [`check`] the policy checker and
-//! [`import`] the envoyproxy/ratelimit importer; [`region`] is the regional mode (`--parent`),
-//! leasing global budgets from a parent limiter. Only what the binary and the tests use is
-//! public.
+//! the policy document current, `metrics` exports what happened, `observe` keeps hot keys and
+//! key counts, [`tls`] is the lease listener's mutual TLS, [`config`] is the CLI, [`check`]
+//! the policy checker and [`import`] the envoyproxy/ratelimit importer; [`region`] is the
+//! regional mode (`--parent`), leasing global budgets from a parent limiter. Only what the
+//! binary and the tests use is public.
 //!
 //! Lints: unlike the rest of the workspace, indexing and `expect` are allowed here for
 //! invariants stated where they are used (`Cargo.toml` says why); `unwrap` stays denied.
@@ -22,6 +22,7 @@ pub mod config;
 mod http;
 pub mod import;
 mod metrics;
+mod observe;
 mod policies;
 pub mod region;
 mod server;
@@ -29,4 +30,5 @@ mod service;
 pub mod store;
 pub mod tls;
 
+pub use observe::HotKeySettings;
 pub use server::{serve, Running, ServerConfig, StartError, StoreConfig};

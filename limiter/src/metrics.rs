@@ -8,7 +8,8 @@
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    CounterVec, Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 /// Policy label for a name the document does not define.
@@ -43,7 +44,11 @@ pub struct Metrics {
     units_settled: IntCounterVec,
     store_latency: HistogramVec,
     store_errors: IntCounterVec,
+    store_keys: IntGaugeVec,
     active_keys: IntGaugeVec,
+    remaining_ratio: HistogramVec,
+    exec_calls: IntCounterVec,
+    exec_usec: CounterVec,
     policy_info: IntGaugeVec,
     policy_reloads: IntCounterVec,
     responses: IntCounterVec,
@@ -138,12 +143,45 @@ impl Metrics {
             "Store calls that produced no answer, by node and error kind.",
             &["node", "kind"],
         )?;
+        let store_keys = gauge(
+            &registry,
+            "tollgate_limiter_store_keys",
+            "Keys held by the store (buckets, windows and lease records), sampled per node (DBSIZE; memory: entries).",
+            &["node"],
+        )?;
         let active_keys = gauge(
             &registry,
             "tollgate_limiter_active_keys",
-            "Keys held by the store (buckets and lease records), sampled per node.",
+            "Distinct keys leased from per policy over the last minute (HyperLogLog estimate, ~1.6 % standard error).",
+            &["policy"],
+        )?;
+        let remaining_ratio = {
+            let opts = HistogramOpts::new(
+                "tollgate_limiter_remaining_ratio",
+                "What the store reported left in the bucket (window) after each fresh lease decision, as a fraction of the policy's burst (window limit); debt counts as 0.",
+            )
+            .buckets((0..=10).map(|i| f64::from(i) / 10.0).collect());
+            let h = HistogramVec::new(opts, &["policy"])?;
+            registry.register(Box::new(h.clone()))?;
+            h
+        };
+        let exec_calls = counter(
+            &registry,
+            "tollgate_limiter_store_exec_calls_total",
+            "Decisions the store's code ran, per node: Redis FCALLs from INFO commandstats (every client of the node), or the memory store's decisions.",
             &["node"],
         )?;
+        let exec_usec = {
+            let c = CounterVec::new(
+                Opts::new(
+                    "tollgate_limiter_store_exec_microseconds_total",
+                    "Time the store's code ran, per node, in microseconds, without the network round trip: Redis FCALL usec from INFO commandstats, or the memory store's in-process decision time. Divide its rate by tollgate_limiter_store_exec_calls_total's for the mean.",
+                ),
+                &["node"],
+            )?;
+            registry.register(Box::new(c.clone()))?;
+            c
+        };
         let policy_info = gauge(
             &registry,
             "tollgate_limiter_policy_info",
@@ -191,7 +229,11 @@ impl Metrics {
             units_settled,
             store_latency,
             store_errors,
+            store_keys,
             active_keys,
+            remaining_ratio,
+            exec_calls,
+            exec_usec,
             policy_info,
             policy_reloads,
             responses,
@@ -247,14 +289,36 @@ impl Metrics {
         self.store_errors.with_label_values(&[node, kind]).inc();
     }
 
-    /// Replaces the active-keys samples.
-    pub fn set_active_keys(&self, samples: &[(String, u64)]) {
-        self.active_keys.reset();
+    /// Replaces the store-keys samples.
+    pub fn set_store_keys(&self, samples: &[(String, u64)]) {
+        self.store_keys.reset();
         for (node, count) in samples {
-            self.active_keys
+            self.store_keys
                 .with_label_values(&[node.as_str()])
                 .set(i64::try_from(*count).unwrap_or(i64::MAX));
         }
+    }
+
+    /// Replaces the per-policy active-key estimates.
+    pub fn set_active_keys_by_policy(&self, counts: &[(String, u64)]) {
+        self.active_keys.reset();
+        for (policy, count) in counts {
+            self.active_keys
+                .with_label_values(&[policy.as_str()])
+                .set(i64::try_from(*count).unwrap_or(i64::MAX));
+        }
+    }
+
+    pub fn remaining_ratio(&self, policy: &str, ratio: f64) {
+        self.remaining_ratio
+            .with_label_values(&[policy])
+            .observe(ratio);
+    }
+
+    /// Adds `calls` decisions that ran `usec` microseconds on `node`.
+    pub fn store_exec(&self, node: &str, calls: u64, usec: f64) {
+        self.exec_calls.with_label_values(&[node]).inc_by(calls);
+        self.exec_usec.with_label_values(&[node]).inc_by(usec);
     }
 
     pub fn set_policy_version(&self, version: &str) {
@@ -319,7 +383,10 @@ mod tests {
         m.units_settled("p", 9);
         m.store_call("127.0.0.1:6379", "lease", Duration::from_micros(300));
         m.store_error("127.0.0.1:6379", "timeout");
-        m.set_active_keys(&[("127.0.0.1:6379".into(), 7)]);
+        m.set_store_keys(&[("127.0.0.1:6379".into(), 7)]);
+        m.set_active_keys_by_policy(&[("p".into(), 3)]);
+        m.remaining_ratio("p", 0.45);
+        m.store_exec("127.0.0.1:6379", 4, 150.5);
         m.set_policy_version("abc");
         m.set_policy_version("def");
         m.policy_reload("ok");
@@ -339,7 +406,12 @@ mod tests {
             "tollgate_limiter_units_settled_total{policy=\"p\"} 9",
             "tollgate_limiter_store_call_duration_seconds_bucket{node=\"127.0.0.1:6379\",op=\"lease\",le=\"0.0005\"} 1",
             "tollgate_limiter_store_errors_total{kind=\"timeout\",node=\"127.0.0.1:6379\"} 1",
-            "tollgate_limiter_active_keys{node=\"127.0.0.1:6379\"} 7",
+            "tollgate_limiter_store_keys{node=\"127.0.0.1:6379\"} 7",
+            "tollgate_limiter_active_keys{policy=\"p\"} 3",
+            "tollgate_limiter_remaining_ratio_bucket{policy=\"p\",le=\"0.4\"} 0",
+            "tollgate_limiter_remaining_ratio_bucket{policy=\"p\",le=\"0.5\"} 1",
+            "tollgate_limiter_store_exec_calls_total{node=\"127.0.0.1:6379\"} 4",
+            "tollgate_limiter_store_exec_microseconds_total{node=\"127.0.0.1:6379\"} 150.5",
             "tollgate_limiter_policy_info{version=\"def\"} 1",
             "tollgate_limiter_policy_reloads_total{result=\"ok\"} 1",
             "tollgate_limiter_http_responses_total{endpoint=\"leases\",status=\"200\"} 1",

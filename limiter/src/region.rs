@@ -39,7 +39,8 @@ use tollgate_core::policy::Scope;
 use crate::clock::{Clock, MonotonicClock};
 use crate::policies::PolicyHandle;
 use crate::store::{
-    AnyStore, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError,
+    AnyStore, ExecStats, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store,
+    StoreError,
 };
 use ledger::{Answer, Received, Reservoir, Terms};
 pub use metrics::RegionMetrics;
@@ -645,6 +646,10 @@ impl Store for RegionalStore {
 
     async fn active_keys(&self) -> Result<Vec<(String, u64)>, StoreError> {
         self.inner.active_keys().await
+    }
+
+    async fn exec_stats(&self) -> Result<Vec<(String, ExecStats)>, StoreError> {
+        self.inner.exec_stats().await
     }
 
     fn node_for(&self, key: &str) -> String {

@@ -1,11 +1,12 @@
 //! Starting and stopping a limiter: the one entry point shared by the binary, the integration
 //! tests and the benchmark (`serve` binds, spawns, and hands back the address and a handle).
 //!
-//! Besides the HTTP server it runs background tasks: the policy file watcher, the active-keys
-//! sampler and, over TLS, the certificate reloader. The lease listener speaks plaintext (h2c,
-//! for loopback and demos) or TLS with client certificates ([`crate::tls`]); an optional admin
-//! listener serves only `/healthz`, `/readyz` and `/metrics` in plaintext, for probes and
-//! scrapers that hold no client certificate. Shutdown stops accepting, lets in-flight requests
+//! Besides the HTTP server it runs background tasks: the policy file watcher, the store
+//! sampler (key counts, execution statistics), the hot-key check and, over TLS, the
+//! certificate reloader. The lease listener speaks plaintext (h2c, for loopback and demos) or
+//! TLS with client certificates ([`crate::tls`]); an optional admin listener serves only
+//! `/healthz`, `/readyz`, `/metrics` and `/v1/hot-keys` (hashed keys only) in plaintext, for
+//! probes, scrapers and operators that hold no client certificate. Shutdown stops accepting, lets in-flight requests
 //! finish (bounded), then stops the tasks.
 
 use std::net::SocketAddr;
@@ -23,6 +24,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
+use crate::observe::{self, HotKeySettings, Observer};
 use crate::policies::{self, LoadError, PolicyHandle};
 use crate::region::{RegionConfig, RegionMetrics, RegionalStore};
 use crate::service::{Service, ServiceSettings};
@@ -32,8 +34,10 @@ use crate::store::{
 };
 use crate::tls::{Acceptor, TlsError, TlsSettings};
 
-/// How often the active-keys gauge is sampled.
-const ACTIVE_KEYS_EVERY: Duration = Duration::from_secs(5);
+/// How often the store's key counts and execution statistics are sampled.
+const STORE_SAMPLE_EVERY: Duration = Duration::from_secs(5);
+/// How often keys above `--hot-key-share` are looked for.
+const HOT_KEY_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// How long shutdown waits for in-flight requests.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -114,7 +118,7 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// The lease listener over mutual TLS; `None`: plaintext.
     pub tls: Option<TlsSettings>,
-    /// A plaintext listener for `/healthz`, `/readyz` and `/metrics` only.
+    /// A plaintext listener for `/healthz`, `/readyz`, `/metrics` and `/v1/hot-keys` only.
     pub admin_listen: Option<SocketAddr>,
     pub store: StoreConfig,
     /// TLS files and ACL credentials for Redis (`store::security`); none by default.
@@ -133,12 +137,14 @@ pub struct ServerConfig {
     pub policy_poll: Duration,
     /// A regional limiter: `global` policies are leased from this parent (`--parent`).
     pub region: Option<RegionConfig>,
+    /// Hot-key reporting (`GET /v1/hot-keys`, the hot-key log line).
+    pub hot_keys: HotKeySettings,
 }
 
 impl ServerConfig {
     /// Defaults for everything but the policy file: loopback port 8081, memory store, 2 s
     /// leases remembered 60 s, 1 s assignments, 50 ms store timeout, policy file polled every
-    /// second.
+    /// second, the default hot-key settings.
     pub fn new(policies: impl Into<PathBuf>) -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
@@ -153,6 +159,7 @@ impl ServerConfig {
             store_timeout: Duration::from_millis(50),
             policy_poll: Duration::from_secs(1),
             region: None,
+            hot_keys: HotKeySettings::default(),
         }
     }
 
@@ -194,6 +201,7 @@ impl ServerConfig {
         if let Some(region) = &self.region {
             region.check().map_err(StartError::Config)?;
         }
+        self.hot_keys.check().map_err(StartError::Config)?;
         if let StoreConfig::Cluster(urls) = &self.store {
             if urls.is_empty() {
                 return Err(StartError::Config(
@@ -362,21 +370,27 @@ async fn serve_with_store<S: Store>(
     loaded: Vec<u8>,
     metrics: Metrics,
 ) -> Result<Running, StartError> {
-    let service = Arc::new(Service::new(
-        Arc::new(store),
-        Arc::clone(&handle),
-        metrics.clone(),
-        ServiceSettings {
-            lease_ttl: config.lease_ttl,
-            // A regional limiter's store call may wait for the parent (a dry reservoir).
-            store_timeout: match &config.region {
-                Some(region) => {
-                    config.store_timeout + region.parent_timeout + Duration::from_millis(50)
-                }
-                None => config.store_timeout,
+    let salt = config.hot_keys.load_salt().map_err(StartError::Config)?;
+    let observer = Observer::new(config.hot_keys.clone(), &salt, metrics.clone());
+    let store = Arc::new(store);
+    let service = Arc::new(
+        Service::new(
+            Arc::clone(&store),
+            Arc::clone(&handle),
+            metrics.clone(),
+            ServiceSettings {
+                lease_ttl: config.lease_ttl,
+                // A regional limiter's store call may wait for the parent (a dry reservoir).
+                store_timeout: match &config.region {
+                    Some(region) => {
+                        config.store_timeout + region.parent_timeout + Duration::from_millis(50)
+                    }
+                    None => config.store_timeout,
+                },
             },
-        },
-    ));
+        )
+        .with_observer(observer.clone()),
+    );
 
     let (listener, addr) = bind(config.listen).await?;
     let admin = match config.admin_listen {
@@ -416,9 +430,20 @@ async fn serve_with_store<S: Store>(
         async move {
             // First contact with the store: replace its functions with this build's.
             service.prepare_store().await;
+            let deadline = config.store_timeout.max(Duration::from_secs(2));
             loop {
                 service.sample_active_keys().await;
-                tokio::time::sleep(ACTIVE_KEYS_EVERY).await;
+                observe::sample_exec(&*store, &observer, deadline).await;
+                tokio::time::sleep(STORE_SAMPLE_EVERY).await;
+            }
+        }
+    }));
+    tasks.push(tokio::spawn({
+        let observer = service.observer().clone();
+        async move {
+            loop {
+                tokio::time::sleep(HOT_KEY_CHECK_EVERY).await;
+                observer.check_hot_keys();
             }
         }
     }));
@@ -432,7 +457,7 @@ async fn serve_with_store<S: Store>(
                 tracing::error!(error = %e, "admin listener failed");
             }
         }));
-        tracing::info!(%admin_addr, "admin listener (health, readiness, metrics) listening");
+        tracing::info!(%admin_addr, "admin listener (health, readiness, metrics, hot keys) listening");
     }
     let transport = if tls.is_some() {
         "mutual TLS"

@@ -16,6 +16,7 @@ use futures_util::future::join_all;
 use tollgate_core::policy::Policies;
 
 use crate::metrics::{Metrics, UNKNOWN_POLICY};
+use crate::observe::Observer;
 use crate::policies::PolicyHandle;
 use crate::store::{Store, StoreError};
 
@@ -58,6 +59,7 @@ pub struct Service<S> {
     metrics: Metrics,
     settings: ServiceSettings,
     store_log: LogThrottle,
+    observer: Observer,
 }
 
 impl<S: Store> Service<S> {
@@ -70,14 +72,25 @@ impl<S: Store> Service<S> {
         Self {
             store,
             policies,
+            observer: Observer::with_defaults(metrics.clone()),
             metrics,
             settings,
             store_log: LogThrottle::default(),
         }
     }
 
+    /// The same service recording its traffic into `observer` (hot keys, active keys).
+    pub fn with_observer(mut self, observer: Observer) -> Self {
+        self.observer = observer;
+        self
+    }
+
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    pub fn observer(&self) -> &Observer {
+        &self.observer
     }
 
     fn policy_label<'a>(policies: &'a Policies, name: &'a str) -> &'a str {
@@ -159,6 +172,11 @@ impl<S: Store> Service<S> {
         for ((request, item), answer) in requests.iter().zip(&plan.items).zip(&answers) {
             let label = Self::policy_label(&policies, &request.policy);
             let t = answer::tally(item.as_ref().ok(), answer);
+            if let Ok(item) = item {
+                let node = self.store.node_for(&item.key);
+                self.observer
+                    .lease_decided(item, answer.as_ref().ok(), &node);
+            }
             self.metrics.decision(label, t.decision);
             if t.tokens_granted > 0 {
                 self.metrics.tokens_granted(label, t.tokens_granted);
@@ -285,11 +303,11 @@ impl<S: Store> Service<S> {
         }
     }
 
-    /// Samples the store's key counts into the active-keys gauge.
+    /// Samples the store's key counts into the store-keys gauge.
     pub async fn sample_active_keys(&self) {
         let deadline = self.settings.store_timeout.max(Duration::from_secs(2));
         match tokio::time::timeout(deadline, self.store.active_keys()).await {
-            Ok(Ok(samples)) => self.metrics.set_active_keys(&samples),
+            Ok(Ok(samples)) => self.metrics.set_store_keys(&samples),
             Ok(Err(e)) => tracing::debug!(error = %e, "cannot sample active keys"),
             Err(_) => tracing::debug!("active keys sample timed out"),
         }

@@ -949,6 +949,21 @@ mod cases {
         let keys = s.active_keys().await.expect("active keys");
         assert!(!keys.is_empty());
         assert!(!s.node_for("acme").is_empty());
+        // The decision code's execution statistics, per node, count the lease just made.
+        let u = unique("exec");
+        assert_eq!(one(s, lease("e", "tenant", &u, 1, 1)).await.granted, 1);
+        let stats = s.exec_stats().await.expect("execution statistics");
+        assert!(!stats.is_empty());
+        assert!(
+            stats
+                .iter()
+                .all(|(node, e)| !node.is_empty() && e.usec >= 0.0),
+            "{stats:?}"
+        );
+        assert!(
+            stats.iter().map(|(_, e)| e.calls).sum::<u64>() >= 1,
+            "{stats:?}"
+        );
     }
 }
 

@@ -735,15 +735,15 @@ async fn health_readiness_and_metrics() {
     )
     .await;
     let node = format!("127.0.0.1:{}", redis.port());
-    // The active-keys gauge is sampled in the background once the store is prepared.
+    // The store-keys gauge is sampled in the background once the store is prepared.
     let deadline = Instant::now() + Duration::from_secs(5);
     let text = loop {
         let (status, text) = get(addr, "/metrics").await;
         assert_eq!(status, 200);
-        if text.contains(&format!(r#"tollgate_limiter_active_keys{{node="{node}"}}"#)) {
+        if text.contains(&format!(r#"tollgate_limiter_store_keys{{node="{node}"}}"#)) {
             break text;
         }
-        assert!(Instant::now() < deadline, "no active keys sample:\n{text}");
+        assert!(Instant::now() < deadline, "no store keys sample:\n{text}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     for needle in [
@@ -757,7 +757,7 @@ async fn health_readiness_and_metrics() {
         format!(
             r#"tollgate_limiter_store_call_duration_seconds_count{{node="{node}",op="lease"}} 3"#
         ),
-        format!(r#"tollgate_limiter_active_keys{{node="{node}"}}"#),
+        format!(r#"tollgate_limiter_store_keys{{node="{node}"}}"#),
         format!(
             r#"tollgate_limiter_policy_info{{version="{}"}} 1"#,
             policies().version

@@ -261,8 +261,32 @@ const METRICS: &[(&str, Kind, &[&str], Source)] = &[
         Source::Limiter,
     ),
     (
+        "tollgate_limiter_store_keys",
+        Kind::Gauge,
+        &["node"],
+        Source::Limiter,
+    ),
+    (
         "tollgate_limiter_active_keys",
         Kind::Gauge,
+        &["policy"],
+        Source::Limiter,
+    ),
+    (
+        "tollgate_limiter_remaining_ratio",
+        Kind::Histogram,
+        &["policy"],
+        Source::Limiter,
+    ),
+    (
+        "tollgate_limiter_store_exec_microseconds_total",
+        Kind::Counter,
+        &["node"],
+        Source::Limiter,
+    ),
+    (
+        "tollgate_limiter_store_exec_calls_total",
+        Kind::Counter,
         &["node"],
         Source::Limiter,
     ),
@@ -300,6 +324,10 @@ const REQUIRED: &[&str] = &[
     "tollgate_limiter_decisions_total",
     "tollgate_limiter_store_call_duration_seconds",
     "tollgate_limiter_store_errors_total",
+    "tollgate_limiter_active_keys",
+    "tollgate_limiter_remaining_ratio",
+    "tollgate_limiter_store_exec_microseconds_total",
+    "tollgate_limiter_store_exec_calls_total",
 ];
 
 /// Every series name Prometheus can hold for the known metrics → (metric, labels).

@@ -2,8 +2,8 @@
 //! server can hold without generics or boxing.
 
 use super::{
-    LeaseItem, LeaseOutcome, MemoryStore, RedisClusterStore, RedisStore, ReturnItem, ReturnOutcome,
-    Store, StoreError,
+    ExecStats, LeaseItem, LeaseOutcome, MemoryStore, RedisClusterStore, RedisStore, ReturnItem,
+    ReturnOutcome, Store, StoreError,
 };
 
 /// One of the three stores.
@@ -52,6 +52,14 @@ impl Store for AnyStore {
             AnyStore::Memory(s) => s.active_keys().await,
             AnyStore::Redis(s) => s.active_keys().await,
             AnyStore::Cluster(s) => s.active_keys().await,
+        }
+    }
+
+    async fn exec_stats(&self) -> Result<Vec<(String, ExecStats)>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.exec_stats().await,
+            AnyStore::Redis(s) => s.exec_stats().await,
+            AnyStore::Cluster(s) => s.exec_stats().await,
         }
     }
 

@@ -41,7 +41,9 @@ use tokio::task::JoinHandle;
 use super::script::{self, Reloader};
 use super::security::{redact_url, Attempt, RedisSecurity, Refusals};
 use super::watchdog::{Watchdog, RECONNECT_AFTER};
-use super::{LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings};
+use super::{
+    ExecStats, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings,
+};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Per-attempt response timeout inside the client (calls are bounded by the store timeout).
@@ -487,6 +489,16 @@ impl Store for RedisClusterStore {
         self.guarded("primaries", self.dbsize_per_primary()).await
     }
 
+    async fn exec_stats(&self) -> Result<Vec<(String, ExecStats)>, StoreError> {
+        let replies = self
+            .guarded("primaries", self.on_each_primary(script::commandstats_cmd))
+            .await?;
+        replies
+            .into_iter()
+            .map(|(node, reply)| Ok((node, script::parse_commandstats(&reply)?)))
+            .collect()
+    }
+
     fn node_for(&self, key: &str) -> String {
         self.node_of(key)
     }
@@ -499,6 +511,18 @@ impl Store for RedisClusterStore {
 impl RedisClusterStore {
     /// `DBSIZE` of every primary the slot map knows.
     async fn dbsize_per_primary(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let replies = self.on_each_primary(|| redis::cmd("DBSIZE")).await?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|(address, reply)| match reply {
+                Value::Int(n) => Some((address, u64::try_from(n).unwrap_or(0))),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// `cmd()` on every primary the slot map knows, one after the other: `(address, reply)`.
+    async fn on_each_primary(&self, cmd: fn() -> Cmd) -> Result<Vec<(String, Value)>, StoreError> {
         let mut out = Vec::new();
         for address in self.slot_map().primaries() {
             let Some((host, port)) = address.rsplit_once(':') else {
@@ -510,17 +534,16 @@ impl RedisClusterStore {
             let mut conn = current(&self.conn);
             let reply = conn
                 .route_command(
-                    redis::cmd("DBSIZE"),
+                    cmd(),
                     RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
                         host: host.to_owned(),
                         port,
                     }),
                 )
                 .await
+                .and_then(Value::extract_error)
                 .map_err(|e| script::map_error(&e))?;
-            if let Value::Int(n) = reply {
-                out.push((address, u64::try_from(n).unwrap_or(0)));
-            }
+            out.push((address, reply));
         }
         Ok(out)
     }

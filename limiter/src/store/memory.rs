@@ -11,7 +11,9 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use tollgate_core::assign::{self, Allotment, Holding};
 use tollgate_core::bucket::{BucketState, Limits};
@@ -19,8 +21,8 @@ use tollgate_core::policy::Algorithm;
 use tollgate_core::window::{self, CounterKind, Counters, Log, Window, WindowGrant};
 
 use super::{
-    bucket_ttl_ms, window_ttl_ms, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store,
-    StoreError, StoreSettings,
+    bucket_ttl_ms, window_ttl_ms, ExecStats, Grant, LeaseItem, LeaseOutcome, ReturnItem,
+    ReturnOutcome, Store, StoreError, StoreSettings,
 };
 use crate::clock::{Clock, MonotonicClock};
 
@@ -32,6 +34,34 @@ pub struct MemoryStore {
     inner: Mutex<Inner>,
     clock: Arc<dyn Clock>,
     settings: StoreSettings,
+    /// Decisions made through [`Store`] and the nanoseconds they took (lock wait included):
+    /// the memory store's counterpart of Redis' `FCALL` statistics.
+    exec: ExecTally,
+}
+
+/// Cumulative decision count and time.
+#[derive(Debug, Default)]
+struct ExecTally {
+    calls: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl ExecTally {
+    fn timed<T>(&self, decide: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = decide();
+        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.nanos.fetch_add(nanos, Ordering::Relaxed);
+        out
+    }
+
+    fn stats(&self) -> ExecStats {
+        ExecStats {
+            calls: self.calls.load(Ordering::Relaxed),
+            usec: self.nanos.load(Ordering::Relaxed) as f64 / 1_000.0,
+        }
+    }
 }
 
 impl std::fmt::Debug for MemoryStore {
@@ -395,6 +425,7 @@ impl MemoryStore {
             inner: Mutex::new(Inner::default()),
             clock,
             settings,
+            exec: ExecTally::default(),
         }
     }
 
@@ -652,11 +683,13 @@ impl MemoryStore {
 
 impl Store for MemoryStore {
     async fn lease(&self, items: &[LeaseItem]) -> Result<LeaseOutcome, StoreError> {
-        self.lease_at(items, self.clock.now_ms())
+        let now = self.clock.now_ms();
+        self.exec.timed(|| self.lease_at(items, now))
     }
 
     async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {
-        Ok(self.give_back_at(item, self.clock.now_ms()))
+        let now = self.clock.now_ms();
+        Ok(self.exec.timed(|| self.give_back_at(item, now)))
     }
 
     async fn prepare(&self) -> Result<(), StoreError> {
@@ -670,6 +703,10 @@ impl Store for MemoryStore {
     async fn active_keys(&self) -> Result<Vec<(String, u64)>, StoreError> {
         let count = u64::try_from(self.len()).unwrap_or(u64::MAX);
         Ok(vec![("memory".to_owned(), count)])
+    }
+
+    async fn exec_stats(&self) -> Result<Vec<(String, ExecStats)>, StoreError> {
+        Ok(vec![("memory".to_owned(), self.exec.stats())])
     }
 
     fn node_for(&self, _key: &str) -> String {

@@ -241,6 +241,17 @@ pub struct ReturnOutcome {
     pub returned: u64,
 }
 
+/// How long the store's own decision code has run, cumulative per node: Redis' `INFO
+/// commandstats` for `FCALL` (the Function's execution on the server, without the network),
+/// or the memory store's in-process decision time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ExecStats {
+    /// Decisions (lease and return calls) run.
+    pub calls: u64,
+    /// Microseconds they ran, in total.
+    pub usec: f64,
+}
+
 /// Why a store call did not produce an answer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
@@ -344,6 +355,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Keys held, per node (`(node, count)`), for the active-keys gauge.
     fn active_keys(&self) -> impl Future<Output = Result<Vec<(String, u64)>, StoreError>> + Send;
+
+    /// Cumulative execution statistics of the decision code, per node (`(node, stats)`).
+    fn exec_stats(
+        &self,
+    ) -> impl Future<Output = Result<Vec<(String, ExecStats)>, StoreError>> + Send;
 
     /// The node that owns `key` (a wire key), as a metrics label: an address, never a tenant.
     fn node_for(&self, key: &str) -> String;

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 use tollgate_core::policy::Algorithm;
 
-use super::{Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, StoreError, StoreSettings};
+use super::{
+    ExecStats, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, StoreError, StoreSettings,
+};
 
 /// The library source (`FUNCTION LOAD REPLACE`).
 pub const LIBRARY: &str = include_str!("tollgate.lua");
@@ -199,6 +201,45 @@ pub fn check_ping_reply(value: &Value) -> Result<(), StoreError> {
     }
 }
 
+/// `INFO commandstats`: the node's statistics of every command it ran.
+pub fn commandstats_cmd() -> Cmd {
+    let mut cmd = redis::cmd("INFO");
+    cmd.arg("commandstats");
+    cmd
+}
+
+/// The `FCALL` line of an `INFO commandstats` reply
+/// (`cmdstat_fcall:calls=N,usec=U,usec_per_call=…`): every lease and return decision the node
+/// ran (readiness pings are `FCALL_RO`, counted apart), all clients together. A node that has
+/// run none has no such line: zero.
+pub fn parse_commandstats(value: &Value) -> Result<ExecStats, StoreError> {
+    let text = match value {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::VerbatimString { text, .. } => text.clone(),
+        Value::SimpleString(s) => s.clone(),
+        other => return Err(protocol("INFO commandstats", other)),
+    };
+    let Some(fields) = text
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("cmdstat_fcall:"))
+    else {
+        return Ok(ExecStats::default());
+    };
+    let field = |name: &str| {
+        fields
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| {
+                StoreError::Protocol(format!("INFO commandstats: no `{name}` in `{fields}`"))
+            })
+    };
+    Ok(ExecStats {
+        calls: field("calls")?,
+        usec: field("usec")? as f64,
+    })
+}
+
 /// Whether `e` says our functions are not loaded on the node that answered (a restarted or
 /// flushed server, a fresh replica promoted without them).
 pub fn is_function_missing(e: &RedisError) -> bool {
@@ -271,6 +312,34 @@ impl Reloader {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn commandstats_give_the_fcall_line() {
+        let reply = redis::Value::BulkString(
+            b"# Commandstats\r\ncmdstat_fcall_ro:calls=3,usec=30,usec_per_call=10.00,rejected_calls=0,failed_calls=0\r\n\
+              cmdstat_fcall:calls=120,usec=4567,usec_per_call=38.06,rejected_calls=0,failed_calls=1\r\n"
+                .to_vec(),
+        );
+        assert_eq!(
+            super::parse_commandstats(&reply).unwrap(),
+            super::ExecStats {
+                calls: 120,
+                usec: 4567.0
+            }
+        );
+        let none =
+            redis::Value::BulkString(b"# Commandstats\r\ncmdstat_ping:calls=1,usec=1\r\n".to_vec());
+        assert_eq!(
+            super::parse_commandstats(&none).unwrap(),
+            super::ExecStats::default()
+        );
+        let bad = redis::Value::BulkString(b"cmdstat_fcall:usec=1\r\n".to_vec());
+        assert!(super::parse_commandstats(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("calls"));
+        assert!(super::parse_commandstats(&redis::Value::Nil).is_err());
+    }
+
     use super::*;
     use tollgate_core::bucket::Limits;
 

@@ -27,7 +27,9 @@ use redis::{Cmd, RedisError, Value};
 use super::script::{self, Reloader};
 use super::security::{self, Attempt, RedisSecurity, Refusals};
 use super::watchdog::{Watchdog, RECONNECT_AFTER};
-use super::{LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings};
+use super::{
+    ExecStats, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings,
+};
 
 /// How long one connection attempt may take (calls themselves are bounded by the service's
 /// store timeout).
@@ -221,6 +223,17 @@ impl Store for RedisStore {
             Value::Int(n) => Ok(vec![(self.address.clone(), u64::try_from(n).unwrap_or(0))]),
             other => Err(StoreError::Protocol(format!("DBSIZE: {other:?}"))),
         }
+    }
+
+    async fn exec_stats(&self) -> Result<Vec<(String, ExecStats)>, StoreError> {
+        let cmd = script::commandstats_cmd();
+        let reply = self
+            .guarded(async { self.query(&cmd).await.map_err(|e| script::map_error(&e)) })
+            .await?;
+        Ok(vec![(
+            self.address.clone(),
+            script::parse_commandstats(&reply)?,
+        )])
     }
 
     fn node_for(&self, _key: &str) -> String {
