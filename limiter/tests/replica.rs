@@ -31,52 +31,6 @@ use tollgate_limiter::StoreConfig;
 const STORE_TIMEOUT: Duration = Duration::from_millis(200);
 const SLACK: Duration = Duration::from_millis(300);
 
-/// A replica of `primary`, synced (`master_link_status:up`), with `extra` arguments.
-fn replica_of(primary: &RedisServer, extra: &[&str]) -> RedisServer {
-    let mut args = vec![
-        "--replicaof".to_string(),
-        "127.0.0.1".to_string(),
-        primary.port().to_string(),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let replica = RedisServer::start_with(RedisOptions {
-        extra_args: args,
-        ..RedisOptions::default()
-    });
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while replica
-        .info_field("replication", "master_link_status")
-        .as_deref()
-        != Some("up")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "replica of {} not synced within 15s: {}",
-            primary.port(),
-            replica.info("replication")
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    replica
-}
-
-/// Waits until the replica has applied everything the primary wrote so far.
-fn caught_up(primary: &RedisServer, replica: &RedisServer) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let want = primary.info_field("replication", "master_repl_offset");
-        let have = replica.info_field("replication", "slave_repl_offset");
-        if want.is_some() && want == have {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "replica not caught up within 10s: primary {want:?}, replica {have:?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 /// `FCALL`/`FCALL_RO` the server ran or rejected, from `INFO commandstats`.
 fn fcalls(server: &RedisServer) -> u64 {
     let count = |line: &str, field: &str| -> u64 {
