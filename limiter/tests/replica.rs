@@ -268,3 +268,25 @@ async fn a_cluster_seeded_with_replicas_decides_on_primaries() {
     }
     limiter.shutdown().await;
 }
+
+/// A Redis user whose ACL lacks `ROLE` (it is in `@admin`/`@dangerous`): the limiter cannot
+/// tell a primary from a replica, so it decides nothing and `/readyz` says what to grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_role_is_told_to_grant_it() {
+    let redis = RedisServer::start();
+    assert_eq!(redis.cli(&["ACL", "SETUSER", "default", "-role"]), "OK");
+    let mut c = config(StoreConfig::Redis(redis.url()));
+    c.store_timeout = STORE_TIMEOUT;
+    let limiter = start_unready(c).await;
+    let (status, body) = get(limiter.addr(), "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("grant it `+role`"), "{body}");
+    assert_leases_refused(limiter.addr(), &unique("acl")).await;
+    assert_eq!(redis.cli(&["ACL", "SETUSER", "default", "+role"]), "OK");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(limiter.addr(), "/readyz").await.0 != 200 {
+        assert!(Instant::now() < deadline, "not ready once ROLE is granted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    limiter.shutdown().await;
+}

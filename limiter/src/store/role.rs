@@ -21,6 +21,18 @@ pub fn role_cmd() -> redis::Cmd {
     redis::cmd("ROLE")
 }
 
+/// The error of a `ROLE` that Redis answered with an error: a user whose ACL lacks `ROLE`
+/// (it is in `@admin`/`@dangerous`) is told what to grant; anything else maps as usual.
+pub fn role_error(node: &str, e: &redis::RedisError) -> StoreError {
+    if e.code() == Some("NOPERM") {
+        return StoreError::Config(format!(
+            "the Redis user may not run ROLE on `{node}`, which the limiter needs to decide on \
+             primaries only: grant it `+role` ({e})"
+        ));
+    }
+    super::script::map_error(e)
+}
+
 fn text(value: Option<&Value>) -> Option<String> {
     match value? {
         Value::BulkString(b) => String::from_utf8(b.clone()).ok(),

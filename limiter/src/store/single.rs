@@ -151,7 +151,7 @@ impl RedisStore {
             let role = self
                 .query(&role::role_cmd())
                 .await
-                .map_err(|e| script::map_error(&e))?;
+                .map_err(|e| role::role_error(&self.address, &e))?;
             role::check_primary(&self.address, &role)?;
             self.role_unconfirmed.store(false, Ordering::Release);
         }
@@ -172,7 +172,7 @@ impl RedisStore {
             .next()
             .ok_or_else(|| StoreError::Protocol("no reply to ROLE".into()))?
             .and_then(Value::extract_error)
-            .map_err(|e| script::map_error(&e))?;
+            .map_err(|e| role::role_error(&self.address, &e))?;
         if let Err(refused) = role::check_primary(&self.address, &role) {
             self.role_unconfirmed.store(true, Ordering::Release);
             return Err(refused);
