@@ -24,6 +24,7 @@
 //! helpers ([`client`]) are async (tokio).
 
 pub mod client;
+pub mod clock;
 pub mod envoy;
 pub mod error;
 pub mod http_blocking;

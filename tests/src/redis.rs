@@ -316,6 +316,9 @@ pub struct RedisOptions {
     pub tls: Option<RedisTls>,
     /// Require this user's password (the `default` user off).
     pub acl_user: Option<AclUser>,
+    /// More environment for `redis-server`, e.g. [`crate::clock::offset_env`] for a skewed
+    /// clock.
+    pub env: Vec<(String, String)>,
 }
 
 impl RedisOptions {
@@ -582,6 +585,7 @@ fn spawn_redis(
             .args(["--masteruser", ADMIN_USER, "--masterauth", ADMIN_PASSWORD]);
     }
     cmd.args(&opts.extra_args);
+    cmd.envs(opts.env.iter().map(|(k, v)| (k, v)));
     let mut child = ChildProcess::spawn("redis", cmd, dir)?;
     let deadline = Instant::now() + STARTUP_TIMEOUT;
     let pid = child.pid().to_string();

@@ -28,6 +28,7 @@ use tollgate_core::policy::Algorithm;
 mod cluster;
 mod keys;
 mod memory;
+mod role;
 mod single;
 
 mod any;

@@ -7,6 +7,10 @@
 //! (restarted without persistence, `FUNCTION FLUSH`), the library is loaded again and the call
 //! retried once, so no decision is lost to it.
 //!
+//! Only a primary decides: every call is pipelined behind a `ROLE` (`store::role`), so a
+//! limiter pointed at a replica — read-only or not — answers `UNAVAILABLE` and `/readyz` says
+//! the node is a replica, instead of deciding on state that may be stale.
+//!
 //! The manager only reconnects when the connection reports an error. A connection that just
 //! stops answering (a peer that vanished without a reset, a partition) reports nothing: every
 //! call would time out forever. So the store watches for that (`store::watchdog`): when a
@@ -18,12 +22,14 @@
 //! holds calls back (`security::Refusals`: they fail at once with the reason), probes with one
 //! connection per pause, and reconnects once a probe gets through.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, Value};
 
+use super::role;
 use super::script::{self, Reloader};
 use super::security::{self, Attempt, RedisSecurity, Refusals};
 use super::watchdog::{Watchdog, RECONNECT_AFTER};
@@ -44,6 +50,8 @@ pub struct RedisStore {
     settings: StoreSettings,
     reloader: Reloader,
     refusals: Arc<Refusals>,
+    /// No `ROLE` has said `master` since the start or since the node was last seen a replica.
+    role_unconfirmed: AtomicBool,
 }
 
 fn connection_config() -> ConnectionManagerConfig {
@@ -86,6 +94,7 @@ impl RedisStore {
             settings,
             reloader: Reloader::default(),
             refusals: Arc::default(),
+            role_unconfirmed: AtomicBool::new(true),
         })
     }
 
@@ -134,6 +143,49 @@ impl RedisStore {
         result.and_then(Value::extract_error)
     }
 
+    /// `cmd`'s reply, provided the node says it is a primary in the same round trip (`ROLE`
+    /// pipelined right before it on the same connection); a replica's answer is never used,
+    /// and once a node was seen a replica, calls send `ROLE` alone until it says `master`.
+    async fn query_primary(&self, cmd: &Cmd) -> Result<Value, StoreError> {
+        if self.role_unconfirmed.load(Ordering::Acquire) {
+            // At start, and while the node was last seen a replica: `ROLE` alone, so a
+            // replica (even a writable one) never runs the call at all.
+            let role = self
+                .query(&role::role_cmd())
+                .await
+                .map_err(|e| role::role_error(&self.address, &e))?;
+            role::check_primary(&self.address, &role)?;
+            self.role_unconfirmed.store(false, Ordering::Release);
+        }
+        let mut conn = self.connection();
+        let mut pipe = redis::pipe();
+        pipe.add_command(role::role_cmd())
+            .add_command(cmd.clone())
+            .ignore_errors();
+        let result = pipe
+            .query_async::<Vec<redis::RedisResult<Value>>>(&mut conn)
+            .await;
+        if !matches!(&result, Err(e) if e.is_io_error() && security::credential_error(e).is_none())
+        {
+            self.watchdog.answered(&self.address);
+        }
+        let mut replies = result.map_err(|e| script::map_error(&e))?.into_iter();
+        let role = replies
+            .next()
+            .ok_or_else(|| StoreError::Protocol("no reply to ROLE".into()))?
+            .and_then(Value::extract_error)
+            .map_err(|e| role::role_error(&self.address, &e))?;
+        if let Err(refused) = role::check_primary(&self.address, &role) {
+            self.role_unconfirmed.store(true, Ordering::Release);
+            return Err(refused);
+        }
+        replies
+            .next()
+            .ok_or_else(|| StoreError::Protocol("no reply after ROLE".into()))?
+            .and_then(Value::extract_error)
+            .map_err(|e| script::map_error(&e))
+    }
+
     /// Runs one store operation unless Redis refuses the credentials (then it fails at once
     /// with that refusal); once a probe got through, on a new connection.
     async fn guarded<T>(
@@ -151,24 +203,22 @@ impl RedisStore {
         result
     }
 
-    /// Loads (or replaces) the `tollgate_v3` library.
+    /// Loads (or replaces) the `tollgate_v3` library, on a primary only.
     async fn load_library(&self) -> Result<(), StoreError> {
-        self.query(&script::load_cmd())
-            .await
-            .map(|_| ())
-            .map_err(|e| script::map_error(&e))
+        self.query_primary(&script::load_cmd()).await.map(|_| ())
     }
 
-    /// Runs a function call; reloads the library and retries once if it is missing.
+    /// Runs a function call on a primary; reloads the library and retries once if it is
+    /// missing.
     async fn call(&self, cmd: &Cmd) -> Result<Value, StoreError> {
         let seen = self.reloader.generation();
-        match self.query(cmd).await {
-            Err(e) if script::is_function_missing(&e) => {
+        match self.query_primary(cmd).await {
+            Err(StoreError::FunctionMissing(_)) => {
                 tracing::warn!(node = %self.address, "tollgate functions missing; loading them");
                 self.reloader.reload(seen, || self.load_library()).await?;
-                self.query(cmd).await.map_err(|e| script::map_error(&e))
+                self.query_primary(cmd).await
             }
-            other => other.map_err(|e| script::map_error(&e)),
+            other => other,
         }
     }
 }

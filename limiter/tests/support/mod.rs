@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tollgate_core::assign::Holding;
@@ -380,6 +380,72 @@ pub fn peek_redis(server: &RedisServer, bucket_key: &str) -> Option<Peeked> {
 pub fn peek_cluster(cluster: &RedisCluster, bucket_key: &str) -> Option<Peeked> {
     let owner = cluster.primary_for_key(bucket_key);
     peek_redis(cluster.node(owner.port), bucket_key)
+}
+
+/// A replica of `primary`, synced (`master_link_status:up`), with `extra` arguments.
+pub fn replica_of(primary: &RedisServer, extra: &[&str]) -> RedisServer {
+    replica_with(primary, extra, Vec::new())
+}
+
+/// [`replica_of`], with more environment for its `redis-server`.
+pub fn replica_with(
+    primary: &RedisServer,
+    extra: &[&str],
+    env: Vec<(String, String)>,
+) -> RedisServer {
+    let mut args = vec![
+        "--replicaof".to_string(),
+        "127.0.0.1".to_string(),
+        primary.port().to_string(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let replica = RedisServer::start_with(RedisOptions {
+        extra_args: args,
+        env,
+        ..RedisOptions::default()
+    });
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while replica
+        .info_field("replication", "master_link_status")
+        .as_deref()
+        != Some("up")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "replica of {} not synced within 15s: {}",
+            primary.port(),
+            replica.info("replication")
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    replica
+}
+
+/// Waits until the replica has applied everything the primary wrote so far.
+pub fn caught_up(primary: &RedisServer, replica: &RedisServer) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let want = primary.info_field("replication", "master_repl_offset");
+        let have = replica.info_field("replication", "slave_repl_offset");
+        if want.is_some() && want == have {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica not caught up within 10s: primary {want:?}, replica {have:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The server's `TIME`, in ms since the epoch.
+pub fn time_ms(server: &RedisServer) -> u64 {
+    let reply = server.cmd(&["TIME"]);
+    let parts = reply
+        .as_array()
+        .unwrap_or_else(|| panic!("TIME: {reply:?}"));
+    let field = |i: usize| -> u64 { parts[i].as_str().unwrap().parse().unwrap() };
+    field(0) * 1_000 + field(1) / 1_000
 }
 
 /// Writes a policy document to a fresh file.
