@@ -13,7 +13,6 @@
 //! forwarding) spends what it holds, then fails as its policy says, and rejoins after the
 //! heal.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -441,7 +440,7 @@ async fn eight_times_the_rate_costs_the_parent_no_more_calls() {
 async fn a_partitioned_region_spends_what_it_holds_then_fails_closed_and_rejoins() {
     let (rate, burst) = (40u64, 20u64);
     let policy = policies(rate, "1s", burst);
-    let fleet = Arc::new(Fleet::start(&policy).await);
+    let fleet = Fleet::start(&policy).await;
     let (cut_at, heal_at, seconds) = (3u64, 8u64, 12u64);
     let mut held_at_cut = 0.0;
     let mut during = (0.0, 0.0);
