@@ -32,6 +32,8 @@ enum Source {
     Filter,
     /// The limiter's /metrics.
     Limiter,
+    /// A regional limiter's /metrics (`limiter/src/region/metrics.rs`).
+    Region,
 }
 
 /// Every metric the dashboard may use: name (as Prometheus sees it), kind, labels, source.
@@ -308,6 +310,48 @@ const METRICS: &[(&str, Kind, &[&str], Source)] = &[
         &["endpoint", "status"],
         Source::Limiter,
     ),
+    (
+        "tollgate_limiter_parent_reachable",
+        Kind::Gauge,
+        &[],
+        Source::Region,
+    ),
+    (
+        "tollgate_limiter_partition_seconds",
+        Kind::Gauge,
+        &[],
+        Source::Region,
+    ),
+    (
+        "tollgate_limiter_parent_calls_total",
+        Kind::Counter,
+        &["op", "outcome"],
+        Source::Region,
+    ),
+    (
+        "tollgate_limiter_parent_call_duration_seconds",
+        Kind::Histogram,
+        &["op"],
+        Source::Region,
+    ),
+    (
+        "tollgate_limiter_regional_tokens_total",
+        Kind::Counter,
+        &["policy", "event"],
+        Source::Region,
+    ),
+    (
+        "tollgate_limiter_regional_held_tokens",
+        Kind::Gauge,
+        &["policy"],
+        Source::Region,
+    ),
+    (
+        "tollgate_limiter_regional_keys",
+        Kind::Gauge,
+        &[],
+        Source::Region,
+    ),
 ];
 
 /// What the issue asks the dashboard to show, at least.
@@ -512,12 +556,19 @@ fn labels_after(source: &str, name: &str) -> Option<BTreeSet<String>> {
 fn the_metric_list_matches_the_sources() {
     let filter = std::fs::read_to_string(root().join("src/metrics.rs")).unwrap();
     let limiter = std::fs::read_to_string(root().join("limiter/src/metrics.rs")).unwrap();
+    let region = std::fs::read_to_string(root().join("limiter/src/region/metrics.rs")).unwrap();
     for (name, kind, labels, source) in METRICS {
         let labels: BTreeSet<String> = labels.iter().map(|l| l.to_string()).collect();
         match source {
             Source::Limiter => {
                 let found = labels_after(&limiter, name).unwrap_or_else(|| {
                     panic!("limiter/src/metrics.rs does not define {name} (with its labels)")
+                });
+                assert_eq!(found, labels, "labels of {name}");
+            }
+            Source::Region => {
+                let found = labels_after(&region, name).unwrap_or_else(|| {
+                    panic!("limiter/src/region/metrics.rs does not define {name} (with its labels)")
                 });
                 assert_eq!(found, labels, "labels of {name}");
             }

@@ -1,33 +1,40 @@
 //! Metrics of a regional limiter: the parent's reachability and calls, and what the region
 //! received, handed out, gave back and lost per policy. Labels are policy names of the
-//! validated document and fixed words, never keys.
+//! validated document and fixed words, never keys. (Every family states its labels, `&[]`
+//! for none: `tests/tests/dashboard.rs` reads them from here.)
 
 use std::collections::HashMap;
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
 
 /// Every metric of the regional ledger.
 #[derive(Debug, Clone)]
 pub struct RegionMetrics {
-    parent_reachable: IntGauge,
-    partition_seconds: prometheus::Gauge,
+    parent_reachable: IntGaugeVec,
+    partition_seconds: GaugeVec,
     parent_calls: IntCounterVec,
     parent_latency: HistogramVec,
     tokens: IntCounterVec,
     held: IntGaugeVec,
-    keys: IntGauge,
+    keys: IntGaugeVec,
 }
 
 impl RegionMetrics {
     /// Registers the families in `registry` (fails only on a duplicate definition).
     pub fn new(registry: &prometheus::Registry) -> prometheus::Result<Self> {
-        let parent_reachable = IntGauge::new(
-            "tollgate_limiter_parent_reachable",
-            "1 while the last call to the parent limiter got an answer, 0 during a partition.",
+        let parent_reachable = IntGaugeVec::new(
+            Opts::new(
+                "tollgate_limiter_parent_reachable",
+                "1 while the last call to the parent limiter got an answer, 0 during a partition.",
+            ),
+            &[],
         )?;
-        let partition_seconds = prometheus::Gauge::new(
-            "tollgate_limiter_partition_seconds",
-            "How long the parent limiter has been unreachable (0 while it answers).",
+        let partition_seconds = GaugeVec::new(
+            Opts::new(
+                "tollgate_limiter_partition_seconds",
+                "How long the parent limiter has been unreachable (0 while it answers).",
+            ),
+            &[],
         )?;
         let parent_calls = IntCounterVec::new(
             Opts::new(
@@ -60,9 +67,12 @@ impl RegionMetrics {
             ),
             &["policy"],
         )?;
-        let keys = IntGauge::new(
-            "tollgate_limiter_regional_keys",
-            "Keys of global policies the region holds a reservoir for.",
+        let keys = IntGaugeVec::new(
+            Opts::new(
+                "tollgate_limiter_regional_keys",
+                "Keys of global policies the region holds a reservoir for.",
+            ),
+            &[],
         )?;
         registry.register(Box::new(parent_reachable.clone()))?;
         registry.register(Box::new(partition_seconds.clone()))?;
@@ -83,8 +93,12 @@ impl RegionMetrics {
     }
 
     pub fn set_parent_reachable(&self, reachable: bool, partition_seconds: f64) {
-        self.parent_reachable.set(i64::from(reachable));
-        self.partition_seconds.set(partition_seconds);
+        self.parent_reachable
+            .with_label_values(&[] as &[&str])
+            .set(i64::from(reachable));
+        self.partition_seconds
+            .with_label_values(&[] as &[&str])
+            .set(partition_seconds);
     }
 
     pub fn parent_call(&self, op: &str, outcome: &str, took_ms: u64) {
@@ -113,6 +127,8 @@ impl RegionMetrics {
     }
 
     pub fn set_regional_keys(&self, keys: usize) {
-        self.keys.set(i64::try_from(keys).unwrap_or(i64::MAX));
+        self.keys
+            .with_label_values(&[] as &[&str])
+            .set(i64::try_from(keys).unwrap_or(i64::MAX));
     }
 }
