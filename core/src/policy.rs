@@ -1421,7 +1421,8 @@ fn compile_failure(spec: &FailureSpec) -> Result<FailureMode, (&'static str, Str
     }
 }
 
-fn is_header_name(name: &str) -> bool {
+/// A header name a policy document accepts: 1 to 128 bytes of lower-case `[a-z0-9._-]`.
+pub fn is_header_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 128
         && name.bytes().all(|b| {

@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use tollgate_core::key::{self, digest_hex, is_valid_policy_name};
 use tollgate_core::route::RouteTemplate;
+use tollgate_core::policy::is_header_name;
 
 use super::input::{ConfigFile, Descriptor, Limit, Unit};
 
@@ -560,14 +561,6 @@ fn sanitize(text: &str) -> String {
         .collect()
 }
 
-/// The header names a policy document accepts (lower case).
-fn is_header_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 128
-        && name.bytes().all(|b| {
-            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'_' | b'.')
-        })
-}
 
 #[cfg(test)]
 mod tests {
