@@ -131,8 +131,15 @@ fn limiter_image_is_reproducible_minimal_and_serves_from_its_unpacked_rootfs() {
     let layout = a.join(NAME);
     let layout_ref = format!("oci:{}:{tag}", layout.display());
     let raw = skopeo(&["--raw"], &layout_ref);
-    assert_eq!(sha256_hex(&raw), hex, "manifest bytes do not hash to the digest");
-    let archive_ref = format!("oci-archive:{}:{tag}", a.join("tollgate-limiter.tar").display());
+    assert_eq!(
+        sha256_hex(&raw),
+        hex,
+        "manifest bytes do not hash to the digest"
+    );
+    let archive_ref = format!(
+        "oci-archive:{}:{tag}",
+        a.join("tollgate-limiter.tar").display()
+    );
     assert_eq!(skopeo(&["--raw"], &archive_ref), raw);
     let manifest: Value = serde_json::from_slice(&raw).unwrap();
     assert_eq!(str_field(&manifest, "mediaType"), MT_MANIFEST);
@@ -142,13 +149,20 @@ fn limiter_image_is_reproducible_minimal_and_serves_from_its_unpacked_rootfs() {
 
     // The config: linux/amd64, non-root numeric user, the binary as entrypoint, labels, and a
     // creation time that is SOURCE_DATE_EPOCH (0), not the time of the build.
-    let config: Value = serde_json::from_slice(&skopeo(&["--config", "--raw"], &layout_ref)).unwrap();
+    let config: Value =
+        serde_json::from_slice(&skopeo(&["--config", "--raw"], &layout_ref)).unwrap();
     assert_eq!(str_field(&config, "os"), "linux");
     assert_eq!(str_field(&config, "architecture"), "amd64");
     assert_eq!(str_field(&config, "created"), "1970-01-01T00:00:00Z");
     assert_eq!(str_field(&config, "config.User"), format!("{UID}:{UID}"));
-    assert_eq!(config["config"]["Entrypoint"], serde_json::json!([format!("/{BINARY}")]));
-    assert!(config["config"].get("Cmd").is_none(), "no default arguments: {config}");
+    assert_eq!(
+        config["config"]["Entrypoint"],
+        serde_json::json!([format!("/{BINARY}")])
+    );
+    assert!(
+        config["config"].get("Cmd").is_none(),
+        "no default arguments: {config}"
+    );
     let labels = &config["config"]["Labels"];
     assert_eq!(labels["org.opencontainers.image.title"], NAME);
     assert_eq!(labels["org.opencontainers.image.version"], tag.as_str());
@@ -169,7 +183,10 @@ fn limiter_image_is_reproducible_minimal_and_serves_from_its_unpacked_rootfs() {
         .arg(&bundle);
     run_ok(umoci);
     let spec: Value = ops::json_file(&bundle.join("config.json"));
-    assert_eq!(spec["process"]["args"], serde_json::json!([format!("/{BINARY}")]));
+    assert_eq!(
+        spec["process"]["args"],
+        serde_json::json!([format!("/{BINARY}")])
+    );
     assert_eq!(spec["process"]["user"]["uid"], UID);
     assert_eq!(spec["process"]["user"]["gid"], UID);
     let rootfs = bundle.join("rootfs");
@@ -216,25 +233,33 @@ fn limiter_image_is_reproducible_minimal_and_serves_from_its_unpacked_rootfs() {
                 .env("TOLLGATE_POLICIES", &policies)
                 .current_dir(&rootfs);
             let mut child = ChildProcess::spawn("limiter-from-image", cmd, &dir).unwrap();
-            let up = process::wait_for("the image's limiter /healthz", Duration::from_secs(15), || {
-                if !child.is_running() {
-                    return Some(false);
-                }
-                http_blocking::get(port, "/healthz", Duration::from_millis(500))
-                    .ok()
-                    .filter(|r| r.status == 200)
-                    .map(|_| true)
-            });
+            let up = process::wait_for(
+                "the image's limiter /healthz",
+                Duration::from_secs(15),
+                || {
+                    if !child.is_running() {
+                        return Some(false);
+                    }
+                    http_blocking::get(port, "/healthz", Duration::from_millis(500))
+                        .ok()
+                        .filter(|r| r.status == 200)
+                        .map(|_| true)
+                },
+            );
             if up == Ok(true) {
                 Some((child, port))
             } else {
-                eprintln!("did not start on {port}: {}", process::tail(&child.stderr(), 10));
+                eprintln!(
+                    "did not start on {port}: {}",
+                    process::tail(&child.stderr(), 10)
+                );
                 child.kill();
                 None
             }
         })
         .expect("the limiter from the image never answered /healthz");
-    let body = r#"{"leases":[{"id":"image-1","policy":"per-tenant","key":"acme","min":1,"want":3}]}"#;
+    let body =
+        r#"{"leases":[{"id":"image-1","policy":"per-tenant","key":"acme","min":1,"want":3}]}"#;
     let r = http_blocking::request(
         port,
         "POST",
@@ -261,7 +286,9 @@ fn k8s_pin(args: &[&str]) -> std::process::Output {
 
 fn image_of(deployment: &Path) -> String {
     let doc = ops::yaml_doc(deployment);
-    let containers = doc["spec"]["template"]["spec"]["containers"].as_array().unwrap();
+    let containers = doc["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .unwrap();
     containers[0]["image"].as_str().unwrap().to_string()
 }
 
@@ -278,7 +305,10 @@ fn deployment_pins_the_image_by_digest_and_k8s_pin_renders_the_build() {
     assert_eq!(name, format!("{REPO}:{tag}"));
     let hex = digest.strip_prefix("sha256:").unwrap();
     assert!(
-        hex.len() == 64 && hex.bytes().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()),
+        hex.len() == 64
+            && hex
+                .bytes()
+                .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()),
         "{digest} is not a sha256 digest"
     );
 
@@ -288,7 +318,10 @@ fn deployment_pins_the_image_by_digest_and_k8s_pin_renders_the_build() {
     let rendered = out.join("k8s");
     let r = k8s_pin(&["--digest", &built, "--out", rendered.to_str().unwrap()]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    assert_eq!(image_of(&rendered.join("base/deployment.yaml")), format!("{REPO}:{tag}@{built}"));
+    assert_eq!(
+        image_of(&rendered.join("base/deployment.yaml")),
+        format!("{REPO}:{tag}@{built}")
+    );
     let (before, after) = (
         std::fs::read_to_string(&deployment).unwrap(),
         std::fs::read_to_string(rendered.join("base/deployment.yaml")).unwrap(),
@@ -298,8 +331,15 @@ fn deployment_pins_the_image_by_digest_and_k8s_pin_renders_the_build() {
         .zip(after.lines())
         .filter(|(x, y)| x != y)
         .collect();
-    assert!(before.lines().count() == after.lines().count() && diff.len() <= 1, "{diff:?}");
-    for file in ["base/kustomization.yaml", "istio/kustomization.yaml", "base/service.yaml"] {
+    assert!(
+        before.lines().count() == after.lines().count() && diff.len() <= 1,
+        "{diff:?}"
+    );
+    for file in [
+        "base/kustomization.yaml",
+        "istio/kustomization.yaml",
+        "base/service.yaml",
+    ] {
         assert_eq!(
             std::fs::read(root().join("deploy/k8s").join(file)).unwrap(),
             std::fs::read(rendered.join(file)).unwrap(),
@@ -321,7 +361,10 @@ fn deployment_pins_the_image_by_digest_and_k8s_pin_renders_the_build() {
     let check = pin(&built, &["--check"]);
     let said = String::from_utf8_lossy(&check.stderr).into_owned();
     assert!(!check.status.success(), "a stale pin passed --check");
-    assert!(said.contains(&stale) && said.contains(&built) && said.contains("just k8s-pin"), "{said}");
+    assert!(
+        said.contains(&stale) && said.contains(&built) && said.contains("just k8s-pin"),
+        "{said}"
+    );
     assert!(pin(&built, &[]).status.success());
     assert!(pin(&built, &["--check"]).status.success());
     let once = std::fs::read(&copy).unwrap();
@@ -333,7 +376,10 @@ fn deployment_pins_the_image_by_digest_and_k8s_pin_renders_the_build() {
     for bad in ["sha256:xyz", "md5:0123"] {
         let r = pin(bad, &[]);
         let err = String::from_utf8_lossy(&r.stderr).into_owned();
-        assert!(!r.status.success() && err.contains("not a sha256 digest"), "{bad}: {err}");
+        assert!(
+            !r.status.success() && err.contains("not a sha256 digest"),
+            "{bad}: {err}"
+        );
         assert!(!err.contains("Traceback"), "{err}");
     }
 
@@ -341,6 +387,10 @@ fn deployment_pins_the_image_by_digest_and_k8s_pin_renders_the_build() {
     // `just k8s-pin-check` gates it; an ordinary code change leaves it stale, which is fine.
     println!(
         "committed pin {digest}, this build {built}: {}",
-        if digest == built { "current" } else { "stale (re-pin at release)" }
+        if digest == built {
+            "current"
+        } else {
+            "stale (re-pin at release)"
+        }
     );
 }
