@@ -45,8 +45,16 @@ fn limiter_version() -> String {
 /// Runs tools/oci-build-limiter into `out` (it builds the static binary first when `binary`
 /// is None; a cold build of profile `server` takes minutes); returns the digest it printed.
 fn build_image(out: &Path, binary: Option<&Path>) -> String {
+    build_image_at(out, binary, "0")
+}
+
+/// [`build_image`] with `SOURCE_DATE_EPOCH=epoch`.
+fn build_image_at(out: &Path, binary: Option<&Path>, epoch: &str) -> String {
     let mut cmd = ops::py_tool("oci-build-limiter", &[]);
-    cmd.arg("--out").arg(out).current_dir(root());
+    cmd.arg("--out")
+        .arg(out)
+        .env("SOURCE_DATE_EPOCH", epoch)
+        .current_dir(root());
     if let Some(b) = binary {
         cmd.arg("--binary").arg(b);
     }
@@ -126,6 +134,32 @@ fn limiter_image_is_reproducible_minimal_and_serves_from_its_unpacked_rootfs() {
         );
     }
     let hex = digest.strip_prefix("sha256:").unwrap();
+
+    // SOURCE_DATE_EPOCH is the only time that goes in: another one, another digest; a bad
+    // one is refused by name.
+    let later = scratch("image-later");
+    assert_ne!(
+        build_image_at(&later, Some(&the_binary()), "1700000000"),
+        digest
+    );
+    let later_config: Value = serde_json::from_slice(&skopeo(
+        &["--config", "--raw"],
+        &format!("oci:{}:{tag}", later.join(NAME).display()),
+    ))
+    .unwrap();
+    assert_eq!(str_field(&later_config, "created"), "2023-11-14T22:13:20Z");
+    let mut bad = ops::py_tool("oci-build-limiter", &[]);
+    bad.arg("--binary")
+        .arg(the_binary())
+        .arg("--out")
+        .arg(&later)
+        .env("SOURCE_DATE_EPOCH", "yesterday");
+    let out = run(bad);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success() && err.contains("SOURCE_DATE_EPOCH"),
+        "{err}"
+    );
 
     // skopeo reads the layout; the manifest hashes to the digest; the archive is the same.
     let layout = a.join(NAME);
