@@ -100,6 +100,30 @@ test: lint build-wasm
 oci: build-wasm
     tools/oci-build --wasm {{wasm}} --out target/oci
 
+# Outputs target/oci/tollgate-limiter/ (OCI layout), target/oci/tollgate-limiter.tar and
+# target/oci/tollgate-limiter.digest (what deploy/k8s pins). Push with
+#   skopeo copy --preserve-digests oci-archive:target/oci/tollgate-limiter.tar docker://<repo>:<tag>
+
+# Build the limiter's container image without Docker (static musl binary, non-root, no shell); reproducible.
+oci-limiter:
+    tools/oci-build-limiter --out target/oci
+
+# The image's digest changes with every change to the limiter's code or dependencies: a
+# release builds it, pushes it and re-pins (commit the result); CI checks the mechanism, not
+# that every commit is pinned. k8s-render leaves the repository alone.
+
+# Pin deploy/k8s/base/deployment.yaml to the image `just oci-limiter` builds.
+k8s-pin: oci-limiter
+    tools/k8s-pin
+
+# Exit 1 unless deploy/k8s pins the image this tree builds (a release gate).
+k8s-pin-check: oci-limiter
+    tools/k8s-pin --check
+
+# Render target/k8s/: deploy/k8s pinned to the freshly built image (apply -k target/k8s/base).
+k8s-render repo="registry.example.com/platform/tollgate-limiter": oci-limiter
+    tools/k8s-pin --out target/k8s --repo '{{repo}}'
+
 # Regenerate deploy/k8s/base/policies-configmap.yaml from policies/ (after editing a policy).
 k8s-policies:
     tools/render-k8s-policies
