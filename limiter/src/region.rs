@@ -472,7 +472,10 @@ impl Shared {
                 return if self.lock().parent.down_since_ms.is_none() {
                     Ok(denial(RETRY_DRY_MS))
                 } else {
-                    Err(StoreError::Timeout(self.parent.timeout()))
+                    Err(StoreError::Parent(format!(
+                        "no answer from the parent limiter within {:?}",
+                        self.parent.timeout()
+                    )))
                 };
             }
         }
@@ -538,7 +541,7 @@ impl Shared {
                     }
                 }
                 if backoff {
-                    return Err(StoreError::Connection(format!(
+                    return Err(StoreError::Parent(format!(
                         "nothing held for this key and the parent limiter is unreachable: {last_error}"
                     )));
                 }

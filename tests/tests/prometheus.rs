@@ -323,6 +323,16 @@ fn rule_names() -> (BTreeSet<String>, Vec<String>) {
     (alerts, records)
 }
 
+/// Asks the regional limiter for a lease of `items` for `key` (as an Envoy would); the status.
+fn regional_lease(regional: &Limiter, key: &str) -> u16 {
+    let body = format!(
+        r#"{{"leases":[{{"id":"{key}","policy":"items","key":"{key}","min":1,"want":2,"holder":"probe","demand_per_s":1}}]}}"#
+    );
+    tollgate_e2e::http_blocking::post(regional.port(), "/v1/leases", &body, Duration::from_secs(5))
+        .map(|r| r.status)
+        .unwrap_or(0)
+}
+
 /// Every query of the dashboard, with Grafana's variables as a user sees them with
 /// "All" selected: `$policy` is its `allValue` `.*`, `$__rate_interval` 1m.
 fn dashboard_queries() -> Vec<(String, String)> {
@@ -384,6 +394,21 @@ async fn dashboard_queries_and_alerts_against_a_real_prometheus() {
         Store::Redis(redis.url()),
         &["--lease-ttl", "1s", "--store-timeout", "1s"],
     );
+    // A regional limiter leasing the global policies from `limiter` (the regions row of the
+    // dashboard, the parent alert).
+    let parent_url = format!("http://127.0.0.1:{}", limiter.port());
+    let regional = Limiter::start(
+        &doc,
+        Store::Memory,
+        &[
+            "--parent",
+            &parent_url,
+            "--region",
+            "prom",
+            "--parent-timeout",
+            "500ms",
+        ],
+    );
     let upstream = MeteredUpstream::start();
     let config = envoy_config(
         "envoy/global.yaml",
@@ -401,11 +426,13 @@ async fn dashboard_queries_and_alerts_against_a_real_prometheus() {
         &[
             ("envoy", envoy.admin_port(), "/stats/prometheus"),
             ("tollgate-limiter", limiter.admin_port(), "/metrics"),
+            ("tollgate-regional", regional.admin_port(), "/metrics"),
         ],
         &rules,
     );
     prom.wait_up("envoy");
     prom.wait_up("tollgate-limiter");
+    prom.wait_up("tollgate-regional");
 
     // --- Traffic: allowed and denied, settlement, shadow, identity missing --------------------
     let items = burst(port, 10, 1, |_| tenant("/items/1", "acme")).await;
@@ -443,6 +470,11 @@ async fn dashboard_queries_and_alerts_against_a_real_prometheus() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         send(port, chat("acme", 5)).await;
     }
+    assert_eq!(regional_lease(&regional, "regional-1"), 200);
+    prom.wait_value(
+        "sum(tollgate_limiter_regional_tokens_total{event=\"received\"})",
+        1.0,
+    );
     prom.wait_value("sum(tollgate_limiter_tokens_returned_total)", 1.0);
     prom.wait_value("sum(tollgate_limiter_units_settled_total)", 1.0);
     prom.wait_value("sum(tollgate_denied{policy=\"items\"})", 5.0);
@@ -477,6 +509,7 @@ async fn dashboard_queries_and_alerts_against_a_real_prometheus() {
         "TollgateLimiterCalloutsFailing",
         "TollgateFailingClosed",
         "TollgateLeasesUnavailable",
+        "TollgateParentUnreachable",
     ];
     not_firing_yet(&prom, &limiter_gone);
     limiter.kill();
@@ -527,6 +560,16 @@ async fn dashboard_queries_and_alerts_against_a_real_prometheus() {
     })
     .await;
     fired.push(("TollgateLeasesUnavailable", t));
+    // The regional limiter's parent is gone too: a new key finds its reservoir dry and the
+    // parent unanswering (UNAVAILABLE, the item's failure mode in an Envoy).
+    let t = fire(&prom, "TollgateParentUnreachable", || {
+        let status = regional_lease(&regional, &format!("regional-gone-{}", next()));
+        async move {
+            assert_eq!(status, 503, "a dry key without its parent");
+        }
+    })
+    .await;
+    fired.push(("TollgateParentUnreachable", t));
     limiter.restart();
     prom.wait_up("tollgate-limiter");
 

@@ -19,8 +19,8 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 use tollgate_core::key::{self, digest_hex, is_valid_policy_name};
-use tollgate_core::route::RouteTemplate;
 use tollgate_core::policy::is_header_name;
+use tollgate_core::route::RouteTemplate;
 
 use super::input::{ConfigFile, Descriptor, Limit, Unit};
 
@@ -560,7 +560,6 @@ fn sanitize(text: &str) -> String {
         })
         .collect()
 }
-
 
 #[cfg(test)]
 mod tests {

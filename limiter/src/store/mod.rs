@@ -281,6 +281,10 @@ pub enum StoreError {
     /// Redis refused the user name and password, or wants some (`WRONGPASS`, `NOAUTH`).
     #[error("authentication with the store failed: {0}")]
     Auth(String),
+    /// A regional limiter holds nothing for the key and its parent limiter gave no answer
+    /// (`region`): a partition, not a fault of the region's own store.
+    #[error("{0}")]
+    Parent(String),
 }
 
 impl StoreError {
@@ -293,7 +297,8 @@ impl StoreError {
             | StoreError::Cluster(_)
             | StoreError::Loading
             | StoreError::ReadOnly(_)
-            | StoreError::FunctionMissing(_) => true,
+            | StoreError::FunctionMissing(_)
+            | StoreError::Parent(_) => true,
             StoreError::Server(_)
             | StoreError::Protocol(_)
             | StoreError::Config(_)
@@ -316,6 +321,7 @@ impl StoreError {
             StoreError::Config(_) => "config",
             StoreError::Tls(_) => "tls",
             StoreError::Auth(_) => "auth",
+            StoreError::Parent(_) => "parent",
         }
     }
 }
