@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tollgate_core::duration::Millis;
 
 use crate::observe::HotKeySettings;
-use crate::region::RegionConfig;
+use crate::region::{ParentTls, RegionConfig};
 use crate::server::{ServerConfig, StoreConfig};
 use crate::store::security::PASSWORD_ENV;
 use crate::store::{RedisSecurity, Secret};
@@ -152,8 +152,9 @@ pub struct Cli {
     pub store_timeout: Duration,
 
     /// Make this a regional limiter: policies of scope `global` are leased from the parent
-    /// limiter at this URL (`http://host:port`, its lease listener, h2c); `regional` ones stay
-    /// in this limiter's store. Envoys talk only to the regional limiter.
+    /// limiter at this URL (its lease listener: `http://host:port` for h2c, `https://` for
+    /// HTTP/2 over TLS with --parent-ca); `regional` ones stay in this limiter's store. Envoys
+    /// talk only to the regional limiter.
     #[arg(long, env = "TOLLGATE_PARENT", requires = "region")]
     pub parent: Option<String>,
 
@@ -166,6 +167,34 @@ pub struct Cli {
     /// longer: an Envoy whose lease finds the region dry waits for the parent).
     #[arg(long, env = "TOLLGATE_PARENT_TIMEOUT", default_value = "250ms", value_parser = parse_duration)]
     pub parent_timeout: Duration,
+
+    /// CA certificates (PEM) the certificate of an `https://` --parent must chain to.
+    #[arg(
+        long,
+        env = "TOLLGATE_PARENT_CA",
+        value_name = "FILE",
+        requires = "parent"
+    )]
+    pub parent_ca: Option<PathBuf>,
+
+    /// Client certificate chain (PEM) to present to an `https://` --parent (its
+    /// --tls-client-ca); needs --parent-key.
+    #[arg(
+        long,
+        env = "TOLLGATE_PARENT_CERT",
+        value_name = "FILE",
+        requires_all = ["parent_key", "parent_ca"]
+    )]
+    pub parent_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --parent-cert.
+    #[arg(
+        long,
+        env = "TOLLGATE_PARENT_KEY",
+        value_name = "FILE",
+        requires = "parent_cert"
+    )]
+    pub parent_key: Option<PathBuf>,
 
     /// Most keys of global policies a regional limiter holds budget for at once.
     #[arg(long, env = "TOLLGATE_REGIONAL_KEYS", default_value_t = 100_000)]
@@ -316,6 +345,10 @@ impl Cli {
                     region: region.clone(),
                     parent_timeout: self.parent_timeout,
                     max_keys: self.regional_keys,
+                    tls: self.parent_ca.as_ref().map(|ca| ParentTls {
+                        ca: ca.clone(),
+                        client: self.parent_cert.clone().zip(self.parent_key.clone()),
+                    }),
                 }),
                 _ => None,
             },

@@ -44,8 +44,8 @@ use crate::store::{
 };
 use ledger::{Answer, Received, Reservoir, Terms};
 pub use metrics::RegionMetrics;
-pub use parent::ParentError;
 use parent::{Parent, ParentGrant};
+pub use parent::{ParentError, ParentTls};
 
 /// Lease ids of the region's instances remembered per reservoir.
 pub const RECORDS_PER_KEY: usize = 256;
@@ -80,6 +80,8 @@ pub struct RegionConfig {
     pub parent_timeout: Duration,
     /// Most (`policy`, `key`) reservoirs held at once.
     pub max_keys: usize,
+    /// TLS towards an `https://` parent.
+    pub tls: Option<ParentTls>,
 }
 
 impl RegionConfig {
@@ -208,8 +210,13 @@ impl RegionalStore {
             .map(|d| d.subsec_nanos() ^ std::process::id())
             .unwrap_or(0);
         let holder = format!("{}-{suffix:08x}", config.region);
-        let parent = Parent::new(&config.parent_url, holder, config.parent_timeout)
-            .map_err(StoreError::Config)?;
+        let parent = Parent::new(
+            &config.parent_url,
+            config.tls.as_ref(),
+            holder,
+            config.parent_timeout,
+        )
+        .map_err(StoreError::Config)?;
         tracing::info!(parent = %config.parent_url, holder = parent.holder(),
             "regional limiter: global policies are leased from the parent");
         let shared = Arc::new(Shared {

@@ -544,3 +544,107 @@ async fn a_partitioned_region_spends_what_it_holds_then_fails_closed_and_rejoins
         1.0
     );
 }
+
+/// A lease of `fleet` for `key` asked directly of a (regional) limiter: status and granted.
+fn lease_from(limiter: &Limiter, key: &str) -> (u16, u64) {
+    let body = format!(
+        r#"{{"leases":[{{"id":"{key}","policy":"{FLEET}","key":"{key}","min":1,"want":3,"holder":"probe","demand_per_s":1}}]}}"#
+    );
+    match tollgate_e2e::http_blocking::post(
+        limiter.port(),
+        "/v1/leases",
+        &body,
+        Duration::from_secs(5),
+    ) {
+        Ok(r) => {
+            let granted = serde_json::from_str::<serde_json::Value>(&r.body)
+                .ok()
+                .and_then(|v| v["leases"][0]["granted"].as_u64())
+                .unwrap_or(0);
+            (r.status, granted)
+        }
+        Err(_) => (0, 0),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_leases_from_its_parent_over_mutual_tls() {
+    use tollgate_e2e::mtls::MtlsSetup;
+    const REGION_ID: &str = "spiffe://test/ns/region-a/sa/limiter";
+    let pki = MtlsSetup::new(&tollgate_e2e::paths::new_log_dir("", "pki"), REGION_ID).unwrap();
+    let policy = policies(1, "1h", 100);
+    let flags = pki.limiter_flags(REGION_ID);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let parent = Limiter::start(&policy, Store::Memory, &flags);
+    let url = format!("https://localhost:{}", parent.port());
+    let ca = pki.limiter_ca_file.display().to_string();
+    let (cert, key) = (
+        pki.gateway.cert.display().to_string(),
+        pki.gateway.key.display().to_string(),
+    );
+    let region = |extra: &[&str]| {
+        let mut args = vec!["--parent", &url, "--region", "tls", "--parent-ca", &ca];
+        args.extend_from_slice(extra);
+        Limiter::start(&policy, Store::Memory, &args)
+    };
+
+    // With its client certificate: leases come from the parent.
+    let trusted = region(&["--parent-cert", &cert, "--parent-key", &key]);
+    assert_eq!(lease_from(&trusted, "t1"), (200, 3));
+    assert!(
+        prometheus_value(
+            &trusted.metrics(),
+            "tollgate_limiter_parent_calls_total{op=\"lease\",outcome=\"ok\"}"
+        ) >= 1.0
+    );
+
+    // Without one, the parent refuses the handshake: the key is UNAVAILABLE (its failure
+    // mode in an Envoy), within the parent deadline, and the parent counts the refusal.
+    let anonymous = region(&[]);
+    let started = Instant::now();
+    let (status, _) = lease_from(&anonymous, "t2");
+    assert_eq!(status, 503);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        prometheus_value(
+            &parent.metrics(),
+            "tollgate_limiter_tls_connections_total{result=\"no_client_certificate\"}"
+        ) >= 1.0
+    );
+
+    // A parent whose certificate the region does not trust is never asked.
+    let elsewhere = tollgate_e2e::pki::TestCa::new("another CA");
+    let other_ca = elsewhere.write_cert(&pki.dir, "other-ca.crt");
+    let other_ca = other_ca.display().to_string();
+    let mut args = vec![
+        "--parent",
+        &url,
+        "--region",
+        "tls",
+        "--parent-ca",
+        &other_ca,
+    ];
+    args.extend_from_slice(&["--parent-cert", &cert, "--parent-key", &key]);
+    let untrusting = Limiter::start(&policy, Store::Memory, &args);
+    assert_eq!(lease_from(&untrusting, "t3").0, 503);
+    assert!(
+        prometheus_value(
+            &untrusting.metrics(),
+            "tollgate_limiter_parent_calls_total{op=\"lease\",outcome=\"unreachable\"}"
+        ) >= 1.0
+    );
+
+    // An https:// parent without --parent-ca does not start.
+    let err = Limiter::try_start(
+        &policy,
+        Store::Memory,
+        &["--parent", &url, "--region", "tls"],
+    )
+    .err()
+    .expect("started without --parent-ca");
+    assert!(err.to_string().contains("--parent-ca"), "{err}");
+}

@@ -158,8 +158,9 @@ pub struct Reservoir {
     leases: Vec<Held>,
     drip: Option<Drip>,
     holders: Vec<Holder>,
-    /// The largest `min` an instance asked for while the reservoir was dry.
+    /// The largest `min` and `want` an instance asked for while the reservoir was dry.
     pending_min: u64,
+    pending_want: u64,
     /// The parent said nothing is there until then.
     parent_wait_until_ms: u64,
     /// Last time an instance asked.
@@ -343,6 +344,7 @@ impl Reservoir {
                 return Answer::Decided(grant(granted, expires, 0.0, 0, 0));
             }
             self.pending_min = self.pending_min.max(min);
+            self.pending_want = self.pending_want.max(want);
             if self.parent_wait_until_ms > now_ms {
                 let wait = self.parent_wait_until_ms - now_ms;
                 return Answer::Decided(grant(0, 0, 0.0, 0, wait));
@@ -426,7 +428,8 @@ impl Reservoir {
 
     /// What to ask the parent for now, if anything: nothing while the region's assignment
     /// drips or the parent said to wait; else when an instance found the reservoir dry, or
-    /// when what it holds is below half a second of the region's demand.
+    /// when what it holds is below half a second of the region's demand. It asks for a second
+    /// of that demand, and at least what a waiting instance wanted.
     pub fn parent_ask(&self, now_ms: u64, capacity: u64) -> Option<ParentAsk> {
         if self.dripping(now_ms) || self.parent_wait_until_ms > now_ms {
             return None;
@@ -444,7 +447,9 @@ impl Reservoir {
         }
         let capacity = capacity.max(1);
         let min = self.pending_min.clamp(1, capacity);
-        let want = ((demand * WANT_HORIZON_MS).ceil() as u64).clamp(min, capacity);
+        let want = ((demand * WANT_HORIZON_MS).ceil() as u64)
+            .max(self.pending_want)
+            .clamp(min, capacity);
         Some(ParentAsk {
             min,
             want,
@@ -455,6 +460,7 @@ impl Reservoir {
     /// Takes in what the parent answered to ask `id`, sent at `sent_ms`, arriving at `now_ms`.
     pub fn receive(&mut self, id: &str, got: &Received, sent_ms: u64, now_ms: u64, terms: Terms) {
         self.pending_min = 0;
+        self.pending_want = 0;
         if got.granted > 0 {
             let expires = sent_ms.saturating_add(got.expires_ms);
             self.insert_lease(id.to_owned(), got.granted, expires);

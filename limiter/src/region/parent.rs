@@ -1,13 +1,20 @@
 //! The regional limiter's client of its parent limiter: the same lease protocol the filter
-//! speaks (`POST /v1/leases`, `POST /v1/leases/return`, h2c), one item per call, each call
-//! under its own deadline. A lease call that fails in transit is retried once with the same
-//! id while the deadline allows: the parent's dedup record applies it once.
+//! speaks (`POST /v1/leases`, `POST /v1/leases/return`), one item per call, each call under
+//! its own deadline. A lease call that fails in transit is retried once with the same id while
+//! the deadline allows: the parent's dedup record applies it once.
+//!
+//! `http://` is h2c (prior knowledge). `https://` is HTTP/2 over TLS (ALPN `h2`): the parent's
+//! certificate must chain to `--parent-ca`, and with `--parent-cert`/`--parent-key` this
+//! instance presents a client certificate (the parent's `--tls-client-ca`, `--tls-allow`).
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -42,10 +49,63 @@ pub struct ParentGrant {
     pub retry_after_ms: u64,
 }
 
+/// TLS towards the parent (`https://`): whom to trust, and this instance's certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParentTls {
+    /// CA certificates (PEM) the parent's certificate must chain to.
+    pub ca: PathBuf,
+    /// This instance's certificate chain and key (PEM), for a parent that asks for one.
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
+impl ParentTls {
+    /// The rustls configuration, or why the files do not make one (naming flag and file).
+    fn client_config(&self) -> Result<rustls::ClientConfig, String> {
+        use crate::store::security::{certificates, private_key_of, read};
+        crate::store::security::install_crypto_provider();
+        let mut roots = rustls::RootCertStore::empty();
+        let ca = read("--parent-ca", &self.ca).map_err(|e| e.to_string())?;
+        for cert in certificates("--parent-ca", &self.ca, &ca).map_err(|e| e.to_string())? {
+            roots.add(cert).map_err(|e| {
+                format!(
+                    "--parent-ca {}: not a usable CA certificate: {e}",
+                    self.ca.display()
+                )
+            })?;
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS towards the parent: {e}"))?
+        .with_root_certificates(roots);
+        // ALPN (`h2`) is the connector's to set (`enable_http2`): it refuses a preset one.
+        let config = match &self.client {
+            None => builder.with_no_client_auth(),
+            Some((cert_path, key_path)) => {
+                let cert = read("--parent-cert", cert_path).map_err(|e| e.to_string())?;
+                let key = read("--parent-key", key_path).map_err(|e| e.to_string())?;
+                let chain =
+                    certificates("--parent-cert", cert_path, &cert).map_err(|e| e.to_string())?;
+                let key =
+                    private_key_of("--parent-key", key_path, &key).map_err(|e| e.to_string())?;
+                builder.with_client_auth_cert(chain, key).map_err(|e| {
+                    format!(
+                        "--parent-key {} is not the key of --parent-cert {}: {e}",
+                        key_path.display(),
+                        cert_path.display()
+                    )
+                })?
+            }
+        };
+        Ok(config)
+    }
+}
+
 /// The parent limiter's address and this region's name there.
 #[derive(Debug)]
 pub struct Parent {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     base: String,
     timeout: Duration,
     /// This regional instance as a holder at the parent.
@@ -54,21 +114,60 @@ pub struct Parent {
 }
 
 impl Parent {
-    /// `url`: `http://host:port` of the parent's lease listener (h2c). `holder`: this
-    /// instance at the parent (`[0-9A-Za-z_-]`, at most 64 bytes).
-    pub fn new(url: &str, holder: String, timeout: Duration) -> Result<Self, String> {
+    /// `url`: `http://host:port` (h2c) or `https://host:port` (with `tls`) of the parent's
+    /// lease listener. `holder`: this instance at the parent (`[0-9A-Za-z_-]`, at most 64
+    /// bytes).
+    pub fn new(
+        url: &str,
+        tls: Option<&ParentTls>,
+        holder: String,
+        timeout: Duration,
+    ) -> Result<Self, String> {
         let base = url.trim_end_matches('/').to_owned();
-        let rest = base
-            .strip_prefix("http://")
-            .ok_or_else(|| format!("--parent must be an http:// URL (h2c), got `{url}`"))?;
+        let (rest, secure) = match (base.strip_prefix("http://"), base.strip_prefix("https://")) {
+            (Some(rest), _) => (rest, false),
+            (_, Some(rest)) => (rest, true),
+            _ => {
+                return Err(format!(
+                    "--parent must be an http:// (h2c) or https:// URL, got `{url}`"
+                ))
+            }
+        };
         if rest.is_empty() || rest.contains('/') {
             return Err(format!(
-                "--parent must be http://host:port without a path, got `{url}`"
+                "--parent must be a scheme, host and port without a path, got `{url}`"
             ));
         }
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(timeout));
+        let tls_config = match (secure, tls) {
+            (true, Some(tls)) => tls.client_config()?,
+            (true, None) => {
+                return Err(format!(
+                    "--parent {url} is https://: --parent-ca must name the CA of its certificate"
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(format!(
+                    "--parent-ca is given but --parent {url} is not https://"
+                ))
+            }
+            // Never used for an http:// URL (`https_or_http`): no CA needed.
+            (false, None) => rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS: {e}"))?
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth(),
+        };
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(timeout));
+        http.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls_config)
+            .https_or_http()
+            .enable_http2()
+            .wrap_connector(http);
         let client = Client::builder(TokioExecutor::new())
             .http2_only(true)
             .build(connector);

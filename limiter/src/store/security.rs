@@ -105,13 +105,13 @@ fn config_error(message: String) -> StoreError {
 }
 
 /// Reads `path` (given with `flag`); the error names both, never the contents.
-fn read(flag: &str, path: &Path) -> Result<Vec<u8>, StoreError> {
+pub(crate) fn read(flag: &str, path: &Path) -> Result<Vec<u8>, StoreError> {
     std::fs::read(path)
         .map_err(|e| config_error(format!("{flag} {}: cannot read it: {e}", path.display())))
 }
 
 /// Every PEM certificate in `bytes` (at least one).
-fn certificates(
+pub(crate) fn certificates(
     flag: &str,
     path: &Path,
     bytes: &[u8],
@@ -134,9 +134,18 @@ fn certificates(
 
 /// The one private key in `bytes`.
 fn private_key(path: &Path, bytes: &[u8]) -> Result<PrivateKeyDer<'static>, StoreError> {
+    private_key_of(CLIENT_KEY_FLAG, path, bytes)
+}
+
+/// The one private key in `bytes`, read from `path` given with `flag`.
+pub(crate) fn private_key_of(
+    flag: &str,
+    path: &Path,
+    bytes: &[u8],
+) -> Result<PrivateKeyDer<'static>, StoreError> {
     PrivateKeyDer::from_pem_slice(bytes).map_err(|_| {
         config_error(format!(
-            "{CLIENT_KEY_FLAG} {}: not a PEM private key (PKCS#8, PKCS#1 or SEC1)",
+            "{flag} {}: not a PEM private key (PKCS#8, PKCS#1 or SEC1)",
             path.display()
         ))
     })
