@@ -639,12 +639,13 @@ async fn a_region_leases_from_its_parent_over_mutual_tls() {
     );
 
     // An https:// parent without --parent-ca does not start.
-    let err = Limiter::try_start(
+    let started = Limiter::try_start(
         &policy,
         Store::Memory,
         &["--parent", &url, "--region", "tls"],
-    )
-    .err()
-    .expect("started without --parent-ca");
+    );
+    let Err(err) = started else {
+        panic!("started without --parent-ca");
+    };
     assert!(err.to_string().contains("--parent-ca"), "{err}");
 }
