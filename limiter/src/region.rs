@@ -50,8 +50,10 @@ pub use parent::{ParentError, ParentTls};
 /// Lease ids of the region's instances remembered per reservoir.
 pub const RECORDS_PER_KEY: usize = 256;
 
-/// How often reservoirs are swept (expiry, returns, background asks, gauges).
-const SWEEP_EVERY: Duration = Duration::from_millis(50);
+/// How often reservoirs are swept (expiry, returns, background asks during a partition,
+/// idle reservoirs, gauges). Renewals at a drip's end have their own timer, and an ask that
+/// leaves a reservoir low starts its refill at once.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
 /// After a failed parent call, instances finding a reservoir dry are answered UNAVAILABLE at
 /// once for this long (instead of each waiting for the parent's deadline); background asks
@@ -406,25 +408,37 @@ impl Shared {
         {
             let mut state = self.lock();
             let backoff = Self::in_backoff(&state, now);
-            let ids: Vec<KeyId> = state.reservoirs.keys().cloned().collect();
-            for id in ids {
-                let Some(entry) = state.reservoirs.get_mut(&id) else {
-                    continue;
-                };
-                let expired = entry.reservoir.expire(now, self.terms);
-                self.metrics
-                    .regional_tokens(&id.0, "expired", expired.tokens);
+            let policies = self.policies.current();
+            let (terms, metrics) = (self.terms, &self.metrics);
+            let mut asks = Vec::new();
+            // One pass, in place: no key is copied unless something is sent for it.
+            state.reservoirs.retain(|id, entry| {
+                let expired = entry.reservoir.expire(now, terms);
+                metrics.regional_tokens(&id.0, "expired", expired.tokens);
                 for (lease_id, tokens) in entry.reservoir.take_expiring(now, RETURN_MARGIN_MS) {
                     returns.push((id.clone(), lease_id, tokens));
                 }
-                *held.entry(id.0.clone()).or_default() += entry.reservoir.held(now);
+                let holds = entry.reservoir.held(now);
+                match held.get_mut(&id.0) {
+                    Some(sum) => *sum += holds,
+                    None => {
+                        held.insert(id.0.clone(), holds);
+                    }
+                }
                 if entry.reservoir.idle(now, IDLE_MS) && !entry.fetching {
-                    state.reservoirs.remove(&id);
-                    continue;
+                    return false;
                 }
-                if !backoff {
-                    self.start_fetch(&mut state, &id, now);
+                let capacity = policies.get(&id.0).map_or(1, |p| p.burst);
+                if !backoff
+                    && !entry.fetching
+                    && entry.reservoir.parent_ask(now, capacity).is_some()
+                {
+                    asks.push(id.clone());
                 }
+                true
+            });
+            for id in asks {
+                self.start_fetch(&mut state, &id, now);
             }
             let partition_s = state
                 .parent
