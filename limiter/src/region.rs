@@ -20,8 +20,8 @@
 //!
 //! The reservoirs live in this process, bounded by `--regional-keys`: each regional instance
 //! is one holder at the parent, like an Envoy is one holder here. Lease ids of the region's
-//! instances are remembered per reservoir (the last [`RECORDS_PER_KEY`]) for replays and
-//! returns; a retry that reaches another regional instance is decided anew (under-use of one
+//! instances are remembered per reservoir (the last [`RECORDS_PER_KEY`], each for as long as
+//! its lease can still be spent and returned) for replays and returns; a retry that reaches another regional instance is decided anew (under-use of one
 //! lease, never overshoot).
 
 pub mod ledger;
@@ -48,7 +48,11 @@ use parent::{Parent, ParentGrant};
 pub use parent::{ParentError, ParentTls};
 
 /// Lease ids of the region's instances remembered per reservoir.
-pub const RECORDS_PER_KEY: usize = 256;
+pub const RECORDS_PER_KEY: usize = 64;
+
+/// A record outlives its lease (the lease TTL, plus the assignment period of a sub-share) by
+/// this much: the instance returns what is left when it finds the lease expired.
+const RECORD_SLACK_MS: u64 = 1_000;
 
 /// How often reservoirs are swept (expiry, returns, background asks during a partition,
 /// idle reservoirs, gauges). Renewals at a drip's end have their own timer, and an ask that
@@ -128,6 +132,8 @@ struct Record {
     /// Tokens it took: its grant and the whole tokens of its sub-share.
     taken: u64,
     returned: u64,
+    /// Forgotten from then on.
+    until_ms: u64,
 }
 
 struct Entry {
@@ -415,6 +421,7 @@ impl Shared {
             state.reservoirs.retain(|id, entry| {
                 let expired = entry.reservoir.expire(now, terms);
                 metrics.regional_tokens(&id.0, "expired", expired.tokens);
+                entry.records.retain(|r| r.until_ms > now);
                 for (lease_id, tokens) in entry.reservoir.take_expiring(now, RETURN_MARGIN_MS) {
                     returns.push((id.clone(), lease_id, tokens));
                 }
@@ -534,6 +541,7 @@ impl Shared {
         let expired = entry.reservoir.expire(now, self.terms);
         self.metrics
             .regional_tokens(&id.0, "expired", expired.tokens);
+        entry.records.retain(|r| r.until_ms > now);
         match entry.reservoir.ask(ask, now, self.terms) {
             Answer::Decided(grant) => {
                 let drip = (grant.share_per_ms * grant.period_ms as f64).floor() as u64;
@@ -543,11 +551,13 @@ impl Shared {
                     if entry.records.len() >= RECORDS_PER_KEY {
                         entry.records.pop_front();
                     }
+                    let lives = self.terms.lease_ttl_ms + grant.period_ms + RECORD_SLACK_MS;
                     entry.records.push_back(Record {
                         id: item.id.clone(),
                         grant,
                         taken,
                         returned: 0,
+                        until_ms: now + lives,
                     });
                 }
                 if !backoff {
