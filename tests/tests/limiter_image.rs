@@ -79,6 +79,20 @@ fn the_binary() -> PathBuf {
     tollgate_e2e::paths::target_dir().join("x86_64-unknown-linux-musl/server/tollgate-limiter")
 }
 
+/// Builds the image with its binary (a cold build takes minutes) once for the tests of this
+/// file, which run in parallel: the first caller builds, the others wait for it. Returns the
+/// image's digest as built into `scratch("image-first")`.
+fn first_build() -> String {
+    static FIRST: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+    let mut first = FIRST.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(digest) = first.as_ref() {
+        return digest.clone();
+    }
+    let digest = build_image(&scratch("image-first"), None);
+    *first = Some(digest.clone());
+    digest
+}
+
 fn skopeo(args: &[&str], reference: &str) -> Vec<u8> {
     let mut cmd = Command::new(ops::tool("skopeo"));
     cmd.arg("inspect").args(args).arg(reference);
@@ -116,7 +130,12 @@ fn limiter_image_is_reproducible_minimal_and_serves_from_its_unpacked_rootfs() {
     let tag = limiter_version();
     let (a, b) = (scratch("image-a"), scratch("image-b"));
     // Once with the build (cargo), once from the binary it built: the same image.
-    let digest = build_image(&a, None);
+    let digest = first_build();
+    assert_eq!(
+        build_image(&a, None),
+        digest,
+        "the tool's own build of the binary"
+    );
     assert_eq!(
         build_image(&b, Some(&the_binary())),
         digest,
@@ -348,6 +367,7 @@ fn deployment_pins_the_image_by_digest_and_k8s_pin_renders_the_build() {
 
     // The build's digest, rendered into a copy of deploy/k8s: only the image line differs.
     let out = scratch("k8s-pin");
+    first_build();
     let built = build_image(&out.join("oci"), Some(&the_binary()));
     let rendered = out.join("k8s");
     let r = k8s_pin(&["--digest", &built, "--out", rendered.to_str().unwrap()]);
