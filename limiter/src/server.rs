@@ -308,12 +308,14 @@ fn regional_store(
     policies: &Arc<PolicyHandle>,
     metrics: &Metrics,
 ) -> Result<RegionalStore, StartError> {
-    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    // The same terms the stores give (lease TTL, assignment period), in ms.
+    let settings = config.store_settings();
+    let parent_timeout_ms = u64::try_from(region.parent_timeout.as_millis()).unwrap_or(u64::MAX);
     let terms = crate::region::ledger::Terms {
-        lease_ttl_ms: ms(config.lease_ttl),
-        period_ms: ms(config.assignment_period),
+        lease_ttl_ms: settings.lease_ttl_ms,
+        period_ms: settings.assignment_period_ms,
         // Half the parent's deadline, at least 50 ms: more than a round trip to it.
-        renew_lead_ms: (ms(region.parent_timeout) / 2).max(50),
+        renew_lead_ms: (parent_timeout_ms / 2).max(50),
     };
     let region_metrics = RegionMetrics::new(metrics.registry())?;
     Ok(RegionalStore::new(
