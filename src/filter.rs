@@ -3,21 +3,20 @@
 //! return `Result`; the SDK's trait helpers unwrap, and a panic would kill the worker's VM).
 //! The root context owns the worker's callouts (see `worker`).
 
-use crate::engine::{Admission, Attempt, Decision, Engine, Plan, Usage, Verdict, SHARED_PREFIX};
-use crate::global::DEADLINE_MARGIN_MS;
+use crate::engine::{Engine, SHARED_PREFIX};
 use crate::metrics::Metrics;
-use crate::request::{RequestFacts, RequestSource};
-use crate::response_usage::ResponseUsage;
+use crate::request::RequestSource;
 use crate::shared::{HostSharedData, SharedData, WriteError};
+use crate::stream::{Flow, Instance, Stream, StreamHost};
 use crate::table::SlotTable;
-use crate::worker::{no_room_reply, shaped_ids, Admitted, Ctx, Host, Worker};
+use crate::worker::{Ctx, Host, Worker};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
-use tollgate_core::policy::{authority_host, Policies};
+use tollgate_core::policy::Policies;
 use tollgate_core::protocol::MAX_BODY_BYTES;
 use tollgate_core::response::LocalReply;
 
@@ -100,6 +99,42 @@ impl Root {
 
     fn host(&self, configured: &Configured) -> RootHost {
         configured.root_host()
+    }
+}
+
+impl Instance for Configured {
+    type Store = HostSharedData;
+    type WorkerHost = RootHost;
+
+    fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn store(&self) -> &HostSharedData {
+        &HostSharedData
+    }
+
+    fn with_worker<R>(&self, f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
+        self.worker
+            .try_borrow_mut()
+            .ok()
+            .map(|mut worker| f(&mut worker))
+    }
+
+    fn wake(&self) -> bool {
+        wake(self)
+    }
+
+    fn worker_host(&self) -> RootHost {
+        self.root_host()
+    }
+
+    fn now_ms(&self) -> u64 {
+        now_ms()
     }
 }
 
@@ -205,13 +240,8 @@ impl RootContext for Root {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Http {
-            context_id,
+            stream: Stream::new(context_id),
             configured: self.configured.clone(),
-            admitted: Admitted::default(),
-            body_wait: None,
-            usage: None,
-            held: false,
-            finished: false,
         }))
     }
 
@@ -279,21 +309,10 @@ fn send_reply(reply: &LocalReply) -> bool {
     }
 }
 
-/// One per request.
+/// One per request: the host-neutral [`Stream`] with this VM's configuration.
 struct Http {
-    context_id: u32,
+    stream: Stream,
     configured: Option<Rc<Configured>>,
-    admitted: Admitted,
-    /// The plan waits for the request body (a `reserve` reads it), reading at most this much.
-    body_wait: Option<(Plan, usize)>,
-    /// What the response says the request cost, once its headers arrived.
-    usage: Option<ResponseUsage>,
-    /// The request was decided in a body callback and paused for a lease, or answered
-    /// locally: the rest of its body must be held (a body callback that continues lets the
-    /// whole request go on) until the worker resumes it.
-    held: bool,
-    /// The stream end was handled (settlements done, slots released).
-    finished: bool,
 }
 
 impl Context for Http {}
@@ -301,189 +320,16 @@ impl Context for Http {}
 impl Drop for Http {
     fn drop(&mut self) {
         // A stream Envoy never logged (a VM shutting down) still frees its slots.
-        self.finish();
         if let Some(configured) = &self.configured {
-            if let Ok(mut worker) = configured.worker.try_borrow_mut() {
-                worker.forget(self.context_id);
-            }
+            self.stream.finish(configured.as_ref());
         }
     }
 }
 
-impl Http {
-    /// Registers this request as waiting for the leases `decision` asks for and wakes the root
-    /// to send them; `false` (and nothing registered) when that is not possible.
-    fn start_waiting(
-        &self,
-        configured: &Configured,
-        plan: &Plan,
-        decision: &Decision,
-        now: u64,
-    ) -> bool {
-        let Ok(mut worker) = configured.worker.try_borrow_mut() else {
-            return false;
-        };
-        let timeout = configured.engine.limiter().map_or(0, |l| l.timeout.0);
-        let deadline = now + timeout + DEADLINE_MARGIN_MS;
-        if !worker.wait(
-            self.context_id,
-            plan.clone(),
-            decision,
-            deadline,
-            self.admitted.clone(),
-        ) {
-            return false;
-        }
-        worker.queue(decision);
-        if wake(configured) {
-            true
-        } else {
-            worker.forget(self.context_id);
-            false
-        }
-    }
-
-    /// Decides a plan whose costs are known, and acts on the verdict.
-    fn admit(&mut self, configured: &Configured, mut plan: Plan) -> Action {
-        let engine = &configured.engine;
-        let now = now_ms();
-        if let Ok(worker) = configured.worker.try_borrow() {
-            worker.mark_room(engine, &mut plan);
-        }
-        let mut decision = engine.decide(&plan, &HostSharedData, now, Attempt::default());
-        if decision.verdict == Verdict::Wait
-            && !self.start_waiting(configured, &plan, &decision, now)
-        {
-            // Too many requests wait already, or nobody could be woken to send the callout:
-            // decide now, as if the limiter were unavailable.
-            decision = engine.decide(&plan, &HostSharedData, now, Attempt::NO_WAIT);
-        }
-        if decision.verdict != Verdict::Wait {
-            // Background refills, probes and returns this decision asks for.
-            let queued = configured
-                .worker
-                .try_borrow_mut()
-                .is_ok_and(|mut worker| worker.queue(&decision));
-            if queued {
-                wake(configured);
-            }
-        }
-        // A waiting request's outcomes are counted when it ends; its first decision's
-        // housekeeping (expired leases) now.
-        configured.metrics.record(&decision);
-        match decision.verdict {
-            Verdict::Wait => {
-                self.held = true;
-                Action::Pause
-            }
-            Verdict::Reply(reply) => {
-                if send_reply(&reply) {
-                    self.held = true;
-                    Action::Pause
-                } else {
-                    Action::Continue
-                }
-            }
-            Verdict::Continue => {
-                {
-                    let mut admitted = self.admitted.borrow_mut();
-                    admitted.response_headers = decision.response_headers;
-                    admitted.admissions = decision.admissions;
-                }
-                if decision.delay_ms > 0 {
-                    // A shaped request: its turn comes later; the root's tick resumes it.
-                    let host = configured.root_host();
-                    let slept = configured.worker.try_borrow_mut().is_ok_and(|mut worker| {
-                        let shaped = shaped_ids(engine, &plan);
-                        let admitted = self.admitted.clone();
-                        worker.sleep(
-                            self.context_id,
-                            now + decision.delay_ms,
-                            shaped,
-                            admitted,
-                            &host,
-                        )
-                    });
-                    if slept {
-                        self.held = true;
-                        return Action::Pause;
-                    }
-                    // No room to pause it: refused rather than sent before its turn (its cost
-                    // stays taken: under-use, never a burst past the rate).
-                    let reply = no_room_reply(engine, &decision.delayed, decision.delay_ms);
-                    if send_reply(&reply) {
-                        self.held = true;
-                        return Action::Pause;
-                    }
-                }
-                Action::Continue
-            }
-        }
-    }
-
-    /// Whether the request still waits for its decision (or was answered locally).
-    fn still_held(&self) -> bool {
-        self.held && !self.admitted.borrow().resumed
-    }
-
-    /// Applies what the response said about some admissions.
-    fn settle(configured: &Configured, known: Vec<(&Admission, Usage)>) {
-        let now = now_ms();
-        for (admission, usage) in known {
-            Self::apply(configured, admission, Some(usage), false, now);
-        }
-    }
-
-    fn apply(
-        configured: &Configured,
-        admission: &Admission,
-        usage: Option<Usage>,
-        release: bool,
-        now: u64,
-    ) {
-        match configured
-            .engine
-            .finish(&HostSharedData, admission, usage, release, now)
-        {
-            Ok(done) => {
-                configured.metrics.finished(admission.policy, &done);
-                let global = configured
-                    .engine
-                    .policy(admission.policy)
-                    .is_some_and(|p| p.scope.uses_limiter());
-                if let (Some(units), true) = (done.settled, global) {
-                    if let Ok(mut worker) = configured.worker.try_borrow_mut() {
-                        worker.note_settled(admission.policy, units);
-                    }
-                }
-            }
-            Err(error) => log::warn!("cannot settle a request (table {error:?})"),
-        }
-    }
-
-    /// The stream ended, however it ended: what is not settled yet had no usable actual cost,
-    /// and every in-flight slot is released. Once per request.
-    fn finish(&mut self) {
-        if std::mem::replace(&mut self.finished, true) {
-            return;
-        }
-        let Some(configured) = self.configured.clone() else {
-            return;
-        };
-        let mut usage = match self.usage.take() {
-            Some(usage) => usage,
-            None => {
-                let admissions = std::mem::take(&mut self.admitted.borrow_mut().admissions);
-                if admissions.is_empty() {
-                    return;
-                }
-                ResponseUsage::new(&configured.engine, admissions)
-            }
-        };
-        let now = now_ms();
-        for (admission, pending) in usage.on_end() {
-            Self::apply(&configured, admission, pending, true, now);
-        }
+fn action(flow: Flow) -> Action {
+    match flow {
+        Flow::Continue => Action::Continue,
+        Flow::Pause => Action::Pause,
     }
 }
 
@@ -492,128 +338,66 @@ impl HttpContext for Http {
         let Some(configured) = self.configured.clone() else {
             return Action::Continue;
         };
-        let source = HostRequest;
-        let facts = RequestFacts {
-            method: source.header_text(":method"),
-            path: source.header_text(":path"),
-            host: authority_host(&source.header_text(":authority")),
-        };
-        let engine = &configured.engine;
-        let mut plan = engine.plan(&facts, &source);
-        if plan.is_empty() {
-            return Action::Continue;
-        }
-        if plan.needs_body() {
-            if !end_of_stream {
-                // The estimate is in the body. Proxy-Wasm cannot hold the headers and still see
-                // the body (a paused header callback stops the body callbacks too), so the
-                // headers go on and the body is held (buffered by Envoy) until it is complete or
-                // longer than what is read; a refusal then resets the upstream stream before
-                // any of the body reached it.
-                let max = engine.body_bytes_wanted(&plan);
-                self.body_wait = Some((plan, max));
-                return Action::Continue;
-            }
-            engine.read_body(&mut plan, None);
-        }
-        self.admit(&configured, plan)
+        action(
+            self.stream
+                .on_request_headers(configured.as_ref(), &HostRequest, end_of_stream),
+        )
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.still_held() {
-            return Action::Pause;
-        }
-        let (Some(configured), Some((mut plan, max))) =
-            (self.configured.clone(), self.body_wait.take())
-        else {
-            return Action::Continue;
-        };
-        if !end_of_stream && body_size <= max {
-            self.body_wait = Some((plan, max));
-            return Action::Pause;
-        }
-        let body = if end_of_stream && body_size <= max {
-            hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
-                .ok()
-                .map(Option::unwrap_or_default)
-        } else {
-            None
-        };
-        configured.engine.read_body(&mut plan, body.as_deref());
-        self.admit(&configured, plan)
-    }
-
-    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        if self.still_held() {
-            return Action::Pause;
-        }
-        // A body followed by trailers: the estimate takes its default.
-        let (Some(configured), Some((mut plan, _))) =
-            (self.configured.clone(), self.body_wait.take())
-        else {
-            return Action::Continue;
-        };
-        configured.engine.read_body(&mut plan, None);
-        self.admit(&configured, plan)
-    }
-
-    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let (headers, admissions) = {
-            let mut admitted = self.admitted.borrow_mut();
-            (
-                std::mem::take(&mut admitted.response_headers),
-                std::mem::take(&mut admitted.admissions),
-            )
-        };
-        for (name, value) in headers {
-            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, &name, &value);
-        }
         let Some(configured) = self.configured.clone() else {
             return Action::Continue;
         };
-        if admissions.is_empty() {
+        action(self.stream.on_request_body(
+            configured.as_ref(),
+            &HostRequest,
+            body_size,
+            end_of_stream,
+        ))
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        let Some(configured) = self.configured.clone() else {
             return Action::Continue;
+        };
+        action(
+            self.stream
+                .on_request_trailers(configured.as_ref(), &HostRequest),
+        )
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if let Some(configured) = self.configured.clone() {
+            self.stream
+                .on_response_headers(configured.as_ref(), &HostRequest, end_of_stream);
         }
-        let mut usage = ResponseUsage::new(&configured.engine, admissions);
-        let known = usage.on_headers(&configured.engine, response_header, end_of_stream);
-        Self::settle(&configured, known);
-        self.usage = Some(usage);
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let (Some(configured), Some(usage)) = (self.configured.clone(), self.usage.as_mut()) else {
-            return Action::Continue;
-        };
-        if usage.wants_body() {
-            // This chunk only, as it passes: the response is never held up.
-            let chunk = match body_size {
-                0 => None,
-                size => hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
-                    .ok()
-                    .flatten(),
-            };
-            let known = usage.on_body(chunk.as_deref().unwrap_or_default(), end_of_stream);
-            Self::settle(&configured, known);
+        if let Some(configured) = self.configured.clone() {
+            self.stream.on_response_body(
+                configured.as_ref(),
+                &HostRequest,
+                body_size,
+                end_of_stream,
+            );
         }
         Action::Continue
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
-        let (Some(configured), Some(usage)) = (self.configured.clone(), self.usage.as_mut()) else {
-            return Action::Continue;
-        };
-        let known = usage.on_trailers(|name| {
-            hostcalls::get_map_value_bytes(MapType::HttpResponseTrailers, name)
-                .ok()
-                .flatten()
-        });
-        Self::settle(&configured, known);
+        if let Some(configured) = self.configured.clone() {
+            self.stream
+                .on_response_trailers(configured.as_ref(), &HostRequest);
+        }
         Action::Continue
     }
 
     fn on_log(&mut self) {
-        self.finish();
+        if let Some(configured) = self.configured.clone() {
+            self.stream.finish(configured.as_ref());
+        }
     }
 }
 
@@ -624,21 +408,41 @@ fn wake(configured: &Configured) -> bool {
         .is_some_and(|queue| hostcalls::enqueue_shared_queue(queue, Some(b"w")).is_ok())
 }
 
-fn response_header(name: &str) -> Option<Vec<u8>> {
-    hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
-        .ok()
-        .flatten()
-}
-
 /// The current request, read with hostcalls that cannot panic on hostile bytes (the `_bytes`
 /// variants: the string ones unwrap UTF-8).
 struct HostRequest;
 
-impl HostRequest {
-    fn header_text(&self, name: &str) -> String {
-        self.header(name)
-            .map(|v| String::from_utf8_lossy(&v).into_owned())
-            .unwrap_or_default()
+impl StreamHost for HostRequest {
+    fn send_reply(&self, reply: &LocalReply) -> bool {
+        send_reply(reply)
+    }
+
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+            .ok()
+            .map(Option::unwrap_or_default)
+    }
+
+    fn add_response_header(&self, name: &str, value: &str) {
+        let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+    }
+
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
+            .ok()
+            .flatten()
+    }
+
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpResponseTrailers, name)
+            .ok()
+            .flatten()
     }
 }
 

@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod request;
 pub mod response_usage;
 pub mod shared;
+pub mod stream;
 pub mod table;
 pub mod worker;
 

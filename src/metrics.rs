@@ -1,4 +1,5 @@
-//! The filter's metrics, as proxy-wasm metrics. Envoy shows them as `wasmcustom.<name>`; names
+//! The filter's metrics, as proxy-wasm metrics (Envoy shows them as `wasmcustom.<name>`) or, in
+//! the native build, as the dynamic module's Envoy stats. Names
 //! follow `tollgate_<what>.policy.<policy name>` so the bootstrap's `stats_tags` entry
 //! (see `envoy/*.yaml`) turns the policy into a Prometheus label:
 //! `tollgate_allowed{policy="payments-per-tenant"}`. Label values are policy names, never
@@ -28,17 +29,37 @@ mod sink {
     }
 }
 
-/// Where metrics go in native unit tests: a per-thread registry the tests can read.
+/// Where metrics go natively: the sink the host installed (the dynamic module's Envoy stats),
+/// else a per-thread registry that unit tests read.
 #[cfg(not(target_arch = "wasm32"))]
 pub mod sink {
     use proxy_wasm::types::MetricType;
     use std::cell::RefCell;
+    use std::sync::OnceLock;
+
+    /// A host's stats: ids come from `define` and are the host's own.
+    pub trait Sink: Send + Sync {
+        fn define(&self, kind: MetricType, name: &str) -> Result<u32, String>;
+        /// Adds `by` to a counter or gauge (negative: a gauge goes down).
+        fn increment(&self, id: u32, by: i64);
+        fn record(&self, id: u32, value: u64);
+    }
+
+    static HOST: OnceLock<&'static dyn Sink> = OnceLock::new();
+
+    /// Sends every metric of this process to `sink` from now on; `false` if one is set already.
+    pub fn install(sink: &'static dyn Sink) -> bool {
+        HOST.set(sink).is_ok()
+    }
 
     thread_local! {
         static METRICS: RefCell<Vec<(String, u64)>> = const { RefCell::new(Vec::new()) };
     }
 
-    pub fn define(_kind: MetricType, name: &str) -> Result<u32, String> {
+    pub fn define(kind: MetricType, name: &str) -> Result<u32, String> {
+        if let Some(host) = HOST.get() {
+            return host.define(kind, name);
+        }
         METRICS.with(|m| {
             let mut m = m.borrow_mut();
             let id = match m.iter().position(|(n, _)| n == name) {
@@ -53,6 +74,9 @@ pub mod sink {
     }
 
     pub fn increment(id: u32, by: i64) {
+        if let Some(host) = HOST.get() {
+            return host.increment(id, by);
+        }
         METRICS.with(|m| {
             if let Some((_, v)) = m.borrow_mut().get_mut(id as usize) {
                 *v = if by >= 0 {
@@ -65,6 +89,9 @@ pub mod sink {
     }
 
     pub fn record(id: u32, value: u64) {
+        if let Some(host) = HOST.get() {
+            return host.record(id, value);
+        }
         METRICS.with(|m| {
             if let Some((_, v)) = m.borrow_mut().get_mut(id as usize) {
                 *v = v.saturating_add(value);

@@ -16,9 +16,8 @@ use crate::engine::{Admission, Attempt, Decision, Engine, LeaseNeed, Plan, Retur
 use crate::global::{self, CalloutError, DEADLINE_MARGIN_MS};
 use crate::metrics::{LeaseEvent, Metrics};
 use crate::shared::SharedData;
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::rc::Rc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tollgate_core::protocol::{
     ErrorCode, LeaseRequest, LeaseResult, LeaseReturn, ReturnResult, LEASES_PATH, MAX_BATCH,
     RETURNS_PATH,
@@ -69,7 +68,18 @@ pub struct AdmittedState {
     pub resumed: bool,
 }
 
-pub type Admitted = Rc<RefCell<AdmittedState>>;
+/// The state an admitted request shares with the worker that may resume it. A mutex, not a
+/// `RefCell`: the native build's worker is shared by Envoy's threads (in the wasm build the lock
+/// is never contended).
+#[derive(Debug, Clone, Default)]
+pub struct Admitted(Arc<Mutex<AdmittedState>>);
+
+impl Admitted {
+    /// The state (a lock poisoned by a panic elsewhere still holds usable data).
+    pub fn lock(&self) -> MutexGuard<'_, AdmittedState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
 
 /// A shaped request waiting for its turn.
 struct Sleeper {
@@ -279,9 +289,7 @@ impl Worker {
         due.sort_unstable();
         for (_, context_id) in due {
             if let Some(sleeper) = self.sleepers.remove(&context_id) {
-                if let Ok(mut admitted) = sleeper.admitted.try_borrow_mut() {
-                    admitted.resumed = true;
-                }
+                sleeper.admitted.lock().resumed = true;
                 host.resume(context_id);
             }
         }
@@ -738,7 +746,7 @@ impl Worker {
             Verdict::Continue => {
                 ctx.metrics.record(&decision);
                 {
-                    let mut admitted = waiter.admitted.borrow_mut();
+                    let mut admitted = waiter.admitted.lock();
                     admitted.response_headers = decision.response_headers.clone();
                     admitted.admissions = decision.admissions.clone();
                     admitted.resumed = true;
