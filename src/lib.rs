@@ -2,9 +2,12 @@
 //!
 //! `engine` decides (policies, keys, local buckets, leases of the global budget, failure and
 //! shadow modes) and `global` holds the lease rules, both without any proxy-wasm call, so they
-//! are unit-tested natively; `filter` and `worker` are the glue to Envoy.
+//! are unit-tested natively; `stream` is one request's life and `worker` the global stage's
+//! callouts, over host traits; `filter` is the proxy-wasm glue (the .wasm only; the native
+//! dynamic module is the `tollgate-native` crate).
 
 pub mod engine;
+#[cfg(target_arch = "wasm32")]
 pub mod filter;
 pub mod global;
 pub mod metrics;

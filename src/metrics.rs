@@ -7,16 +7,28 @@
 
 use crate::engine::{Decision, Outcome, Settlement};
 use crate::table::TableError;
-use proxy_wasm::types::MetricType;
 use tollgate_core::policy::Policies;
+
+/// What kind of stat a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricType {
+    Counter,
+    Gauge,
+    Histogram,
+}
 
 /// Where metrics go: the host's stats in Envoy.
 #[cfg(target_arch = "wasm32")]
 mod sink {
+    use super::MetricType;
     use proxy_wasm::hostcalls;
-    use proxy_wasm::types::MetricType;
 
     pub fn define(kind: MetricType, name: &str) -> Result<u32, String> {
+        let kind = match kind {
+            MetricType::Counter => proxy_wasm::types::MetricType::Counter,
+            MetricType::Gauge => proxy_wasm::types::MetricType::Gauge,
+            MetricType::Histogram => proxy_wasm::types::MetricType::Histogram,
+        };
         hostcalls::define_metric(kind, name).map_err(|status| format!("{status:?}"))
     }
 
@@ -33,7 +45,7 @@ mod sink {
 /// else a per-thread registry that unit tests read.
 #[cfg(not(target_arch = "wasm32"))]
 pub mod sink {
-    use proxy_wasm::types::MetricType;
+    use super::MetricType;
     use std::cell::RefCell;
     use std::sync::OnceLock;
 

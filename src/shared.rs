@@ -30,9 +30,11 @@ pub trait SharedData {
 }
 
 /// Shared data of the Envoy process, through `proxy_wasm::hostcalls`.
+#[cfg(target_arch = "wasm32")]
 #[derive(Debug, Default, Clone, Copy)]
 pub struct HostSharedData;
 
+#[cfg(target_arch = "wasm32")]
 impl SharedData for HostSharedData {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), ReadError> {
         proxy_wasm::hostcalls::get_shared_data(key).map_err(|_| ReadError)

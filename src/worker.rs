@@ -235,6 +235,11 @@ impl Worker {
         self.sleepers.remove(&context_id);
     }
 
+    /// Whether the worker will resume or answer this request (it waits or sleeps).
+    pub fn holds(&self, context_id: u32) -> bool {
+        self.waiters.contains_key(&context_id) || self.sleepers.contains_key(&context_id)
+    }
+
     /// Shaped requests of `bucket_id` waiting for their turn on this worker.
     pub fn sleeping(&self, bucket_id: &str) -> usize {
         self.sleepers

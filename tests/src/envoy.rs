@@ -129,6 +129,13 @@ impl Envoy {
             .arg("-l")
             .arg(&opts.log_level)
             .args(&opts.extra_args);
+        if opts.yaml.contains("envoy.filters.http.dynamic_modules") {
+            // Where Envoy finds `lib<name>.so` of a dynamic module.
+            cmd.env(
+                "ENVOY_DYNAMIC_MODULES_SEARCH_PATH",
+                crate::build::native_dir(),
+            );
+        }
         let process = ChildProcess::spawn("envoy", cmd, &dir)?;
         let mut envoy = Envoy {
             process,

@@ -8,7 +8,7 @@
 //!
 //! Starts real processes on loopback (Envoy, redis-server, Redis Cluster) and in-process
 //! helpers (an HTTP upstream, HTTP clients) so the test files in `tests/tests/*.rs` can
-//! exercise the wasm filter and the limiter the way production does.
+//! exercise both builds of the filter (wasm and native) and the limiter the way production does.
 //!
 //! Ground rules every helper follows:
 //! * loopback only; ports are chosen by the kernel (port 0) or by [`ports::free_port`] with
@@ -23,6 +23,7 @@
 //! Control-plane helpers (Envoy admin, Redis commands) are blocking and quick; data-plane
 //! helpers ([`client`]) are async (tokio).
 
+pub mod build;
 pub mod client;
 pub mod clock;
 pub mod envoy;

@@ -345,10 +345,13 @@ pub fn policy_block(config: &str) -> (String, String, String) {
 }
 
 /// Value of a Prometheus series (`name{labels}` exactly as printed, or a bare name, which also
-/// matches `name{}`); 0 when absent.
+/// matches `name{}`); 0 when absent. The native build's series carry Envoy's
+/// `envoy_dynamicmodulescustom_` prefix (the wasm build's custom stats have none): it is
+/// dropped before matching, so one name finds a filter metric of either build.
 pub fn prometheus_value(text: &str, series: &str) -> f64 {
     let bare = format!("{series}{{}}");
     text.lines()
+        .map(|l| l.strip_prefix("envoy_dynamicmodulescustom_").unwrap_or(l))
         .find(|l| {
             [series, bare.as_str()]
                 .iter()

@@ -6,27 +6,34 @@
     clippy::indexing_slicing
 )]
 //! End-to-end tests of local (per-Envoy-instance) limiting: a real Envoy (`--concurrency 4`)
-//! loads the freshly built `tollgate.wasm` with the shipped `envoy/local.yaml`, in front of a
-//! real HTTP upstream, on loopback.
+//! loads the freshly built filter with the shipped `envoy/local.yaml`, in front of a real HTTP
+//! upstream, on loopback. Every test runs against both builds (`wasm::…` loads
+//! `tollgate.wasm`, `native::…` the dynamic module `libtollgate_native.so`).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
 use serde_json::Value;
+use tollgate_e2e::build::Build;
 use tollgate_e2e::tollgate::{self, envoy_config};
 use tollgate_e2e::{burst, send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
 const WORKERS: u32 = 4;
 
-/// `envoy/local.yaml`, test-ready, with `policy` as the plugin configuration.
-fn local_config(policy: &str, upstream_port: u16) -> String {
-    envoy_config("envoy/local.yaml", policy, upstream_port, None)
+/// `envoy/local.yaml`, test-ready for `build`, with `policy` as the plugin configuration.
+fn local_config(build: Build, policy: &str, upstream_port: u16) -> String {
+    build.config(envoy_config(
+        "envoy/local.yaml",
+        policy,
+        upstream_port,
+        None,
+    ))
 }
 
-fn start(policy: &str, upstream: &Upstream) -> (Envoy, u16) {
+fn start(build: Build, policy: &str, upstream: &Upstream) -> (Envoy, u16) {
     let envoy = Envoy::start(
-        EnvoyOptions::new(local_config(policy, upstream.port()))
+        EnvoyOptions::new(local_config(build, policy, upstream.port()))
             .concurrency(WORKERS)
             .log_level("warn"),
     );
@@ -69,9 +76,12 @@ fn transfer(tenant: &str) -> RequestSpec {
 
 fn prometheus_value(envoy: &Envoy, metric: &str) -> u64 {
     let text = envoy.stats_prometheus();
+    let name = metric.split('{').next().unwrap_or(metric);
     assert!(
-        text.lines()
-            .any(|l| l.starts_with(metric.split('{').next().unwrap_or(metric))),
+        text.lines().any(|l| l
+            .strip_prefix("envoy_dynamicmodulescustom_")
+            .unwrap_or(l)
+            .starts_with(name)),
         "no {metric} in /stats/prometheus:\n{text}"
     );
     tollgate::prometheus_value(&text, metric) as u64
@@ -82,10 +92,9 @@ fn shipped_config_embeds_the_payments_policy() {
     tollgate::assert_embeds_policy("envoy/local.yaml", "policies/payments.json");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_burst_for_one_tenant_admits_exactly_the_burst() {
+async fn a_burst_for_one_tenant_admits_exactly_the_burst(build: Build) {
     let upstream = Upstream::start();
-    let (envoy, port) = start(&payments(true, "deny"), &upstream);
+    let (envoy, port) = start(build, &payments(true, "deny"), &upstream);
     let responses = burst(port, 600, 60, |i| lookup("acme", i)).await;
     let ok = responses.iter().filter(|r| r.status == 200).count();
     let limited: Vec<_> = responses.iter().filter(|r| r.status == 429).collect();
@@ -129,10 +138,9 @@ fn statuses(responses: &[tollgate_e2e::Response]) -> std::collections::BTreeMap<
     counts
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn transfers_drain_five_units_and_lookups_one() {
+async fn transfers_drain_five_units_and_lookups_one(build: Build) {
     let upstream = Upstream::start();
-    let (_envoy, port) = start(&payments(true, "deny"), &upstream);
+    let (_envoy, port) = start(build, &payments(true, "deny"), &upstream);
     let transfers = burst(port, 100, 20, |_| transfer("acme")).await;
     assert_eq!(transfers.iter().filter(|r| r.status == 200).count(), 4);
     // The bucket is empty: not even a 1-unit lookup passes.
@@ -148,10 +156,9 @@ async fn transfers_drain_five_units_and_lookups_one() {
     assert_eq!(admitted, vec![200, 200, 200, 200, 200, 200, 200, 200, 429]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tenants_never_share_state() {
+async fn tenants_never_share_state(build: Build) {
     let upstream = Upstream::start();
-    let (_envoy, port) = start(&payments(true, "deny"), &upstream);
+    let (_envoy, port) = start(build, &payments(true, "deny"), &upstream);
     // Tenant ids that an escaping bug would merge: separators, hash-tag braces, escapes.
     let tenants = ["a:b", "a%3ab", "{a}:b", "a", "A", "a b"];
     let responses = burst(port, tenants.len() * 60, 48, |i| {
@@ -178,10 +185,9 @@ async fn tenants_never_share_state() {
         .contains("\"policy\":\"payments-per-tenant\""));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shadow_mode_admits_all_and_counts_would_be_denials() {
+async fn shadow_mode_admits_all_and_counts_would_be_denials(build: Build) {
     let upstream = Upstream::start();
-    let (envoy, port) = start(&payments(false, "skip"), &upstream);
+    let (envoy, port) = start(build, &payments(false, "skip"), &upstream);
     let responses = burst(port, 200, 20, |i| lookup("acme", i)).await;
     assert!(
         responses.iter().all(|r| r.status == 200),
@@ -206,12 +212,11 @@ async fn shadow_mode_admits_all_and_counts_would_be_denials() {
     );
 }
 
-#[test]
-fn a_bad_policy_is_refused_with_the_field_named() {
+fn a_bad_policy_is_refused_with_the_field_named(build: Build) {
     let upstream = Upstream::start();
     let bad = payments(true, "deny").replace("\"per\": \"1h\"", "\"per\": \"1 fortnight\"");
     let error = Envoy::try_start(
-        EnvoyOptions::new(local_config(&bad, upstream.port()))
+        EnvoyOptions::new(local_config(build, &bad, upstream.port()))
             .concurrency(1)
             .log_level("warn"),
     )
@@ -228,7 +233,7 @@ fn a_bad_policy_is_refused_with_the_field_named() {
 
     let unknown = payments(true, "deny").replace("\"burst\": 20", "\"burst\": 20, \"brust\": 1");
     let error = Envoy::try_start(
-        EnvoyOptions::new(local_config(&unknown, upstream.port()))
+        EnvoyOptions::new(local_config(build, &unknown, upstream.port()))
             .concurrency(1)
             .log_level("warn"),
     )
@@ -252,10 +257,9 @@ fn raw_status(port: u16, request: &[u8]) -> u16 {
         .unwrap_or(0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hostile_identities_neither_crash_the_filter_nor_merge_tenants() {
+async fn hostile_identities_neither_crash_the_filter_nor_merge_tenants(build: Build) {
     let upstream = Upstream::start();
-    let (envoy, port) = start(&payments(true, "deny"), &upstream);
+    let (envoy, port) = start(build, &payments(true, "deny"), &upstream);
     let huge = "x".repeat(50_000);
     let mut hostile: Vec<Vec<u8>> = vec![
         huge.clone().into_bytes(),
@@ -280,12 +284,13 @@ async fn hostile_identities_neither_crash_the_filter_nor_merge_tenants() {
     }
     // `acme` itself is untouched by all of the above.
     assert_eq!(send(port, lookup("acme", 0)).await.status, 200);
-    assert_eq!(prometheus_value(&envoy, "envoy_wasm_tollgate_vm_reload"), 0);
+    if build == Build::Wasm {
+        assert_eq!(prometheus_value(&envoy, "envoy_wasm_tollgate_vm_reload"), 0);
+    }
     assert!(!envoy.logs().contains("panicked"), "{}", envoy.logs());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ten_thousand_tenants_stay_inside_the_slot_table() {
+async fn ten_thousand_tenants_stay_inside_the_slot_table(build: Build) {
     let upstream = Upstream::start();
     let slots = 1024;
     let policy = payments(true, "deny")
@@ -297,7 +302,7 @@ async fn ten_thousand_tenants_stay_inside_the_slot_table() {
             "\"policies\": [{",
             &format!("\"local_table\": {{ \"slots\": {slots} }},\n  \"policies\": [{{"),
         );
-    let (envoy, port) = start(&policy, &upstream);
+    let (envoy, port) = start(build, &policy, &upstream);
     // Warm up connections, V8 and allocator pools with tenants the table will hold anyway.
     let warm = burst(port, 500, 8, |i| lookup(&format!("warm-{i}"), i)).await;
     assert!(warm.iter().all(|r| r.status == 200));
@@ -405,7 +410,7 @@ async fn tenants_from_verified_jwt_claims() {
                 requires: {{ provider_name: tenants }}
 "#
     );
-    let config = local_config(&policy, upstream.port()).replacen(
+    let config = local_config(Build::Wasm, &policy, upstream.port()).replacen(
         "          http_filters:\n",
         &format!("          http_filters:\n{jwt_filter}"),
         1,
@@ -442,3 +447,15 @@ async fn tenants_from_verified_jwt_claims() {
     assert_ne!(forged, globex);
     assert_eq!(send(port, with_token(&forged, 0)).await.status, 401);
 }
+
+tollgate_e2e::both_builds!(
+    async: [
+        a_burst_for_one_tenant_admits_exactly_the_burst,
+        transfers_drain_five_units_and_lookups_one,
+        tenants_never_share_state,
+        shadow_mode_admits_all_and_counts_would_be_denials,
+        hostile_identities_neither_crash_the_filter_nor_merge_tenants,
+        ten_thousand_tenants_stay_inside_the_slot_table,
+    ],
+    sync: [a_bad_policy_is_refused_with_the_field_named],
+);

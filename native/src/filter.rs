@@ -1,0 +1,312 @@
+//! One request in the native module: the host-neutral `tollgate::stream::Stream` over Envoy's
+//! dynamic-module callbacks. Hooks run on the request's worker thread.
+
+use crate::abi::{self, EnvoyBuffer, FilterEnvoyPtr, ModuleBuffer};
+use crate::config::{lock, now_ms, MainHost, NativeConfig, Outcome, Parked, Shared};
+use crate::shared::ProcessSharedData;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use tollgate::engine::Engine;
+use tollgate::metrics::Metrics;
+use tollgate::request::RequestSource;
+use tollgate::stream::{Flow, Instance, Stream, StreamHost};
+use tollgate::worker::Worker;
+use tollgate_core::response::LocalReply;
+
+/// Request ids of the process (the worker holds requests by id).
+static NEXT_ID: AtomicU32 = AtomicU32::new(1);
+
+pub struct NativeFilter {
+    pub config: Arc<NativeConfig>,
+    stream: Stream,
+}
+
+impl NativeFilter {
+    pub fn new(config: Arc<NativeConfig>) -> Self {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Self {
+            config,
+            stream: Stream::new(id),
+        }
+    }
+
+    pub fn on_request_headers(&mut self, envoy: FilterEnvoyPtr, end_of_stream: bool) -> Flow {
+        let (view, request) = parts(&self.config, self.stream.id, envoy);
+        self.stream
+            .on_request_headers(&view, &request, end_of_stream)
+    }
+
+    pub fn on_request_body(&mut self, envoy: FilterEnvoyPtr, end_of_stream: bool) -> Flow {
+        let (view, request) = parts(&self.config, self.stream.id, envoy);
+        let size = request.body_size(abi::BODY_BUFFERED_REQUEST)
+            + request.body_size(abi::BODY_RECEIVED_REQUEST);
+        self.stream
+            .on_request_body(&view, &request, size, end_of_stream)
+    }
+
+    pub fn on_request_trailers(&mut self, envoy: FilterEnvoyPtr) -> Flow {
+        let (view, request) = parts(&self.config, self.stream.id, envoy);
+        self.stream.on_request_trailers(&view, &request)
+    }
+
+    pub fn on_response_headers(&mut self, envoy: FilterEnvoyPtr, end_of_stream: bool) {
+        let (view, request) = parts(&self.config, self.stream.id, envoy);
+        self.stream
+            .on_response_headers(&view, &request, end_of_stream);
+    }
+
+    pub fn on_response_body(&mut self, envoy: FilterEnvoyPtr, end_of_stream: bool) {
+        let (view, request) = parts(&self.config, self.stream.id, envoy);
+        let size = request.body_size(abi::BODY_RECEIVED_RESPONSE);
+        self.stream
+            .on_response_body(&view, &request, size, end_of_stream);
+    }
+
+    pub fn on_response_trailers(&mut self, envoy: FilterEnvoyPtr) {
+        let (view, request) = parts(&self.config, self.stream.id, envoy);
+        self.stream.on_response_trailers(&view, &request);
+    }
+
+    /// The stream ended (or the filter goes away): settle, release, unpark.
+    pub fn finish(&mut self, envoy: FilterEnvoyPtr) {
+        let (view, _) = parts(&self.config, self.stream.id, envoy);
+        self.stream.finish(&view);
+    }
+
+    /// The worker decided for this held request: act on it on this thread.
+    pub fn on_scheduled(&mut self, envoy: FilterEnvoyPtr) {
+        let outcome = lock(&self.config.parked)
+            .get_mut(&self.stream.id)
+            .and_then(|slot| slot.outcome.take());
+        match outcome {
+            // SAFETY: `envoy` is this filter, in its own hook.
+            Some(Outcome::Resume) => unsafe {
+                abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy)
+            },
+            Some(Outcome::Reply(reply)) => {
+                Request { envoy }.send_reply(&reply);
+            }
+            None => {}
+        }
+        // A request the worker let go no longer needs its scheduler.
+        let (view, _) = parts(&self.config, self.stream.id, envoy);
+        view.with_worker(|_| ());
+    }
+}
+
+fn parts(config: &NativeConfig, id: u32, envoy: FilterEnvoyPtr) -> (View<'_>, Request) {
+    (View { config, envoy, id }, Request { envoy })
+}
+
+/// The configuration as one request sees it (its hooks know the request's Envoy pointer, so
+/// the worker can reach the request when it holds it).
+struct View<'a> {
+    config: &'a NativeConfig,
+    envoy: FilterEnvoyPtr,
+    id: u32,
+}
+
+impl<'a> Instance for View<'a> {
+    type Store = ProcessSharedData;
+    type WorkerHost = MainHost<'a>;
+
+    fn engine(&self) -> &Engine {
+        &self.config.engine
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.config.metrics
+    }
+
+    fn store(&self) -> &ProcessSharedData {
+        self.config.store()
+    }
+
+    fn with_worker<R>(&self, f: impl FnOnce(&mut Worker) -> R) -> Option<R> {
+        let mut worker = self.config.worker();
+        let result = f(&mut worker);
+        // Under the worker's lock, so the main thread cannot try to reach a request the worker
+        // holds before its scheduler is there.
+        let mut parked = lock(&self.config.parked);
+        if worker.holds(self.id) {
+            if !parked.contains_key(&self.id) {
+                // SAFETY: `envoy` is this request's filter, in its own hook.
+                let scheduler = unsafe {
+                    abi::envoy_dynamic_module_callback_http_filter_scheduler_new(self.envoy)
+                };
+                if !scheduler.is_null() {
+                    parked.insert(
+                        self.id,
+                        Parked {
+                            scheduler: Shared(scheduler),
+                            outcome: None,
+                        },
+                    );
+                }
+            }
+        } else if parked
+            .get(&self.id)
+            .is_some_and(|slot| slot.outcome.is_none())
+        {
+            if let Some(slot) = parked.remove(&self.id) {
+                // SAFETY: created above for this request; removed from the map first, under
+                // the lock the main thread commits under.
+                unsafe {
+                    abi::envoy_dynamic_module_callback_http_filter_scheduler_delete(
+                        slot.scheduler.0,
+                    )
+                };
+            }
+        }
+        Some(result)
+    }
+
+    fn wake(&self) -> bool {
+        self.config.wake()
+    }
+
+    fn worker_host(&self) -> MainHost<'a> {
+        // A request uses only its `set_tick` (a shaped request sleeps): the ticker's atomics.
+        self.config.main_host()
+    }
+
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+}
+
+/// The request, through its filter's callbacks.
+struct Request {
+    envoy: FilterEnvoyPtr,
+}
+
+impl Request {
+    fn header_of(&self, kind: u32, name: &str) -> Option<Vec<u8>> {
+        let mut value = EnvoyBuffer::NULL;
+        // SAFETY: `envoy` is the filter of the running hook; the value is copied before the
+        // hook ends.
+        let found = unsafe {
+            abi::envoy_dynamic_module_callback_http_get_header(
+                self.envoy,
+                kind,
+                ModuleBuffer::of(name.as_bytes()),
+                &mut value,
+                0,
+                std::ptr::null_mut(),
+            )
+        };
+        // SAFETY: Envoy's buffer, valid during the hook.
+        (found && !value.ptr.is_null()).then(|| unsafe { value.bytes() }.to_vec())
+    }
+
+    fn body_size(&self, kind: u32) -> usize {
+        // SAFETY: as in `header_of`.
+        unsafe { abi::envoy_dynamic_module_callback_http_get_body_size(self.envoy, kind) }
+    }
+
+    fn body(&self, kind: u32, out: &mut Vec<u8>, max: usize) {
+        // SAFETY: as in `header_of`.
+        let count = unsafe {
+            abi::envoy_dynamic_module_callback_http_get_body_chunks_size(self.envoy, kind)
+        };
+        if count == 0 {
+            return;
+        }
+        let mut chunks = vec![EnvoyBuffer::NULL; count];
+        // SAFETY: `chunks` has room for `count` buffers, as the callback requires.
+        if !unsafe {
+            abi::envoy_dynamic_module_callback_http_get_body_chunks(
+                self.envoy,
+                kind,
+                chunks.as_mut_ptr(),
+            )
+        } {
+            return;
+        }
+        for chunk in &chunks {
+            // SAFETY: Envoy's buffers, valid during the hook.
+            let bytes = unsafe { chunk.bytes() };
+            let room = max.saturating_sub(out.len());
+            out.extend_from_slice(bytes.get(..room.min(bytes.len())).unwrap_or_default());
+        }
+    }
+}
+
+impl RequestSource for Request {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.header_of(abi::HEADER_REQUEST, name)
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        let mut value = EnvoyBuffer::NULL;
+        let found = match path {
+            // SAFETY: as in `header_of`.
+            ["source", "address"] => unsafe {
+                abi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
+                    self.envoy,
+                    abi::ATTRIBUTE_SOURCE_ADDRESS,
+                    &mut value,
+                )
+            },
+            // Policies with other properties (jwt claims) are refused at load.
+            _ => false,
+        };
+        // SAFETY: Envoy's buffer, valid during the hook.
+        (found && !value.ptr.is_null()).then(|| unsafe { value.bytes() }.to_vec())
+    }
+}
+
+impl StreamHost for Request {
+    fn send_reply(&self, reply: &LocalReply) -> bool {
+        let mut headers: Vec<abi::ModuleHttpHeader> = reply
+            .headers
+            .iter()
+            .map(|(k, v)| abi::ModuleHttpHeader::of(k, v))
+            .collect();
+        // SAFETY: as in `header_of`; every buffer outlives the call.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_send_response(
+                self.envoy,
+                reply.status,
+                headers.as_mut_ptr(),
+                headers.len(),
+                ModuleBuffer::of(reply.body.as_bytes()),
+                ModuleBuffer::of(b"tollgate"),
+            )
+        };
+        true
+    }
+
+    fn request_body(&self, size: usize) -> Option<Vec<u8>> {
+        let mut body = Vec::with_capacity(size);
+        self.body(abi::BODY_BUFFERED_REQUEST, &mut body, size);
+        self.body(abi::BODY_RECEIVED_REQUEST, &mut body, size);
+        Some(body)
+    }
+
+    fn add_response_header(&self, name: &str, value: &str) {
+        // SAFETY: as in `header_of`.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_add_header(
+                self.envoy,
+                abi::HEADER_RESPONSE,
+                ModuleBuffer::of(name.as_bytes()),
+                ModuleBuffer::of(value.as_bytes()),
+            )
+        };
+    }
+
+    fn response_header(&self, name: &str) -> Option<Vec<u8>> {
+        self.header_of(abi::HEADER_RESPONSE, name)
+    }
+
+    fn response_body(&self, size: usize) -> Option<Vec<u8>> {
+        let mut body = Vec::with_capacity(size);
+        self.body(abi::BODY_RECEIVED_RESPONSE, &mut body, size);
+        Some(body)
+    }
+
+    fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
+        self.header_of(abi::TRAILER_RESPONSE, name)
+    }
+}

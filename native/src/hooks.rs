@@ -1,0 +1,516 @@
+//! The event hooks Envoy calls, by the names of the ABI. Each runs its body under
+//! `catch_unwind`: a panic (there is none on purpose) becomes a logged error and a safe
+//! default, never an unwind into Envoy's C++ frames.
+//!
+//! Pointers: a configuration is an `Arc<NativeConfig>` handed to Envoy with `into_raw` and
+//! taken back at `config_destroy`; a filter is a `Box<NativeFilter>` taken back at `destroy`.
+
+#![allow(clippy::missing_safety_doc)]
+
+use crate::abi::{self, ConfigEnvoyPtr, EnvoyBuffer, EnvoyHttpHeader, FilterEnvoyPtr};
+use crate::config::{callout_answer, NativeConfig};
+use crate::filter::NativeFilter;
+use crate::stats;
+use std::ffi::{c_char, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use tollgate::stream::Flow;
+
+extern "C" {
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+}
+
+/// `dlsym`'s "search the global scope" handle (glibc's `RTLD_DEFAULT`).
+const RTLD_DEFAULT: *mut c_void = std::ptr::null_mut();
+
+fn guard<T>(default: T, body: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(value) => value,
+        Err(_) => {
+            ::log::error!("a tollgate hook panicked; the request takes the safe default");
+            default
+        }
+    }
+}
+
+/// The callbacks of [`abi::CALLBACKS`] the host does not export.
+fn missing_callbacks() -> Vec<&'static str> {
+    abi::CALLBACKS
+        .iter()
+        .copied()
+        .filter(|name| {
+            let Ok(symbol) = CString::new(*name) else {
+                return true;
+            };
+            // SAFETY: a lookup by a NUL-terminated name in the process's global scope.
+            unsafe { dlsym(RTLD_DEFAULT, symbol.as_ptr()) }.is_null()
+        })
+        .collect()
+}
+
+/// Loaded: checks that the host offers every callback the module uses, and refuses to
+/// initialise (Envoy unloads the module and rejects the configuration) rather than fail at
+/// the first request on a host that lacks one.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
+    guard(std::ptr::null(), || {
+        let missing = missing_callbacks();
+        if !missing.is_empty() {
+            if !missing.contains(&"envoy_dynamic_module_callback_log") {
+                crate::log::write(
+                    ::log::Level::Error,
+                    &format!(
+                        "refusing to initialise: this Envoy lacks {} of the dynamic-module \
+                         callbacks the module was built for (ABI {}): {}",
+                        missing.len(),
+                        abi_version(),
+                        missing.join(", ")
+                    ),
+                );
+            } else {
+                eprintln!("tollgate: refusing to initialise: Envoy lacks {missing:?}");
+            }
+            return std::ptr::null();
+        }
+        crate::log::install();
+        if !tollgate::metrics::sink::install(&stats::ENVOY_STATS) {
+            ::log::warn!("metrics sink already installed");
+        }
+        ::log::info!(
+            "native module initialised: {} host callbacks present (ABI {})",
+            abi::CALLBACKS.len(),
+            abi_version()
+        );
+        abi::ABI_VERSION.as_ptr().cast()
+    })
+}
+
+fn abi_version() -> &'static str {
+    std::str::from_utf8(abi::ABI_VERSION)
+        .unwrap_or_default()
+        .trim_end_matches('\0')
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    envoy: ConfigEnvoyPtr,
+    _name: EnvoyBuffer,
+    config: EnvoyBuffer,
+) -> *const c_void {
+    guard(std::ptr::null(), || {
+        // SAFETY: Envoy's buffer, valid during this hook.
+        let bytes = unsafe { config.bytes() };
+        match NativeConfig::new(envoy, bytes) {
+            Ok(config) => {
+                ::log::info!(
+                    "{} policies loaded (version {}), shared table of {} slots",
+                    config.engine.policies.policies.len(),
+                    config.engine.policies.version,
+                    config.engine.policies.local_table.slots
+                );
+                Arc::into_raw(config).cast()
+            }
+            Err(reason) => {
+                ::log::error!("invalid plugin configuration: {reason}");
+                std::ptr::null()
+            }
+        }
+    })
+}
+
+/// The configuration behind a module pointer, without taking ownership.
+///
+/// # Safety
+/// `ptr` must come from `config_new` and not be destroyed yet.
+unsafe fn config_ref<'a>(ptr: *const c_void) -> Option<&'a NativeConfig> {
+    // SAFETY: the caller's guarantee.
+    unsafe { ptr.cast::<NativeConfig>().as_ref() }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(ptr: *const c_void) {
+    guard((), || {
+        if ptr.is_null() {
+            return;
+        }
+        // SAFETY: `ptr` came from `Arc::into_raw` in `config_new`; Envoy destroys it once.
+        let config = unsafe { Arc::from_raw(ptr.cast::<NativeConfig>()) };
+        stats::enter(config.envoy.0);
+        config.shutdown();
+        stats::enter(std::ptr::null_mut());
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    envoy: ConfigEnvoyPtr,
+    ptr: *const c_void,
+    event: u64,
+) {
+    guard((), || {
+        // SAFETY: Envoy passes the live configuration.
+        if let Some(config) = unsafe { config_ref(ptr) } {
+            stats::enter(envoy);
+            config.on_scheduled(event);
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    envoy: ConfigEnvoyPtr,
+    ptr: *const c_void,
+    callout: u64,
+    result: u32,
+    headers: *const EnvoyHttpHeader,
+    headers_size: usize,
+    chunks: *const EnvoyBuffer,
+    chunks_size: usize,
+) {
+    guard((), || {
+        // SAFETY: Envoy passes the live configuration.
+        let Some(config) = (unsafe { config_ref(ptr) }) else {
+            return;
+        };
+        stats::enter(envoy);
+        let (status, body) = if result == abi::CALLOUT_SUCCESS {
+            // SAFETY: Envoy's arrays, valid during this hook.
+            unsafe { callout_answer(headers, headers_size, chunks, chunks_size) }
+        } else {
+            (None, Vec::new())
+        };
+        config.on_callout_done(callout, status, &body);
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
+    ptr: *const c_void,
+    _envoy: FilterEnvoyPtr,
+) -> *const c_void {
+    guard(std::ptr::null(), || {
+        if ptr.is_null() {
+            return std::ptr::null();
+        }
+        // SAFETY: `ptr` came from `Arc::into_raw`; the count goes up for the filter's clone.
+        let config = unsafe {
+            Arc::increment_strong_count(ptr.cast::<NativeConfig>());
+            Arc::from_raw(ptr.cast::<NativeConfig>())
+        };
+        Box::into_raw(Box::new(NativeFilter::new(config)))
+            .cast_const()
+            .cast()
+    })
+}
+
+/// The filter behind a module pointer.
+///
+/// # Safety
+/// `ptr` must come from `filter_new` and not be destroyed yet; only its own hooks (one
+/// thread) use it.
+unsafe fn filter_mut<'a>(ptr: *const c_void) -> Option<&'a mut NativeFilter> {
+    // SAFETY: the caller's guarantee.
+    unsafe { ptr.cast::<NativeFilter>().cast_mut().as_mut() }
+}
+
+/// Runs `body` on the filter, with its configuration's stats current.
+///
+/// # Safety
+/// As for [`filter_mut`].
+unsafe fn on_filter<T: Copy>(
+    ptr: *const c_void,
+    default: T,
+    body: impl FnOnce(&mut NativeFilter) -> T,
+) -> T {
+    guard(default, || {
+        // SAFETY: the caller's guarantee.
+        match unsafe { filter_mut(ptr) } {
+            Some(filter) => {
+                stats::enter(filter.config.envoy.0);
+                body(filter)
+            }
+            None => default,
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    envoy: FilterEnvoyPtr,
+    ptr: *const c_void,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: Envoy passes this filter's pointers.
+    unsafe {
+        on_filter(ptr, abi::HEADERS_CONTINUE, |f| {
+            match f.on_request_headers(envoy, end_of_stream) {
+                Flow::Continue => abi::HEADERS_CONTINUE,
+                Flow::Pause => abi::HEADERS_STOP_ITERATION,
+            }
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    envoy: FilterEnvoyPtr,
+    ptr: *const c_void,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: Envoy passes this filter's pointers.
+    unsafe {
+        on_filter(ptr, abi::BODY_CONTINUE, |f| {
+            match f.on_request_body(envoy, end_of_stream) {
+                Flow::Continue => abi::BODY_CONTINUE,
+                Flow::Pause => abi::BODY_STOP_ITERATION_AND_BUFFER,
+            }
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    envoy: FilterEnvoyPtr,
+    ptr: *const c_void,
+) -> u32 {
+    // SAFETY: Envoy passes this filter's pointers.
+    unsafe {
+        on_filter(ptr, abi::TRAILERS_CONTINUE, |f| {
+            match f.on_request_trailers(envoy) {
+                Flow::Continue => abi::TRAILERS_CONTINUE,
+                Flow::Pause => abi::TRAILERS_STOP_ITERATION,
+            }
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    envoy: FilterEnvoyPtr,
+    ptr: *const c_void,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: Envoy passes this filter's pointers.
+    unsafe {
+        on_filter(ptr, abi::HEADERS_CONTINUE, |f| {
+            f.on_response_headers(envoy, end_of_stream);
+            abi::HEADERS_CONTINUE
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    envoy: FilterEnvoyPtr,
+    ptr: *const c_void,
+    end_of_stream: bool,
+) -> u32 {
+    // SAFETY: Envoy passes this filter's pointers.
+    unsafe {
+        on_filter(ptr, abi::BODY_CONTINUE, |f| {
+            f.on_response_body(envoy, end_of_stream);
+            abi::BODY_CONTINUE
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
+    envoy: FilterEnvoyPtr,
+    ptr: *const c_void,
+) -> u32 {
+    // SAFETY: Envoy passes this filter's pointers.
+    unsafe {
+        on_filter(ptr, abi::TRAILERS_CONTINUE, |f| {
+            f.on_response_trailers(envoy);
+            abi::TRAILERS_CONTINUE
+        })
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    envoy: FilterEnvoyPtr,
+    ptr: *const c_void,
+) {
+    // SAFETY: Envoy passes this filter's pointers.
+    unsafe { on_filter(ptr, (), |f| f.finish(envoy)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
+    envoy: FilterEnvoyPtr,
+    ptr: *const c_void,
+    _event: u64,
+) {
+    // SAFETY: Envoy passes this filter's pointers.
+    unsafe { on_filter(ptr, (), |f| f.on_scheduled(envoy)) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(ptr: *const c_void) {
+    guard((), || {
+        if ptr.is_null() {
+            return;
+        }
+        // SAFETY: `ptr` came from `Box::into_raw` in `filter_new`; Envoy destroys it once.
+        let mut filter = unsafe { Box::from_raw(ptr.cast::<NativeFilter>().cast_mut()) };
+        stats::enter(filter.config.envoy.0);
+        // A stream that never completed (a reset) still frees its slots and its scheduler.
+        filter.finish(std::ptr::null_mut());
+    })
+}
+
+// Hooks of features the module does not use: Envoy requires every one of them.
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
+    _name: EnvoyBuffer,
+    _config: EnvoyBuffer,
+) -> *const c_void {
+    ::log::error!("tollgate has no per-route configuration");
+    std::ptr::null()
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_destroy(
+    _ptr: *const c_void,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    _envoy: FilterEnvoyPtr,
+    _ptr: *const c_void,
+    _callout: u64,
+    _result: u32,
+    _headers: *const EnvoyHttpHeader,
+    _headers_size: usize,
+    _chunks: *const EnvoyBuffer,
+    _chunks_size: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_headers(
+    _envoy: FilterEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+    _headers: *const EnvoyHttpHeader,
+    _headers_size: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_data(
+    _envoy: FilterEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+    _data: *const EnvoyBuffer,
+    _data_count: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_trailers(
+    _envoy: FilterEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+    _trailers: *const EnvoyHttpHeader,
+    _trailers_size: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_complete(
+    _envoy: FilterEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
+    _envoy: FilterEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+    _reason: u32,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_headers(
+    _envoy: ConfigEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+    _headers: *const EnvoyHttpHeader,
+    _headers_size: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_data(
+    _envoy: ConfigEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+    _data: *const EnvoyBuffer,
+    _data_count: usize,
+    _end_stream: bool,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_trailers(
+    _envoy: ConfigEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+    _trailers: *const EnvoyHttpHeader,
+    _trailers_size: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete(
+    _envoy: ConfigEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_reset(
+    _envoy: ConfigEnvoyPtr,
+    _ptr: *const c_void,
+    _stream: u64,
+    _reason: u32,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark(
+    _envoy: FilterEnvoyPtr,
+    _ptr: *const c_void,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark(
+    _envoy: FilterEnvoyPtr,
+    _ptr: *const c_void,
+) {
+}
+
+/// A local reply goes out as Envoy built it.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
+    _envoy: FilterEnvoyPtr,
+    _ptr: *const c_void,
+    _code: u32,
+    _details: EnvoyBuffer,
+    _reset_imminent: bool,
+) -> u32 {
+    0
+}
