@@ -6,12 +6,15 @@
     clippy::indexing_slicing
 )]
 //! End-to-end tests of global limiting: real Envoys (shipped `envoy/global.yaml`) loading the
-//! built filter, the real `tollgate-limiter` binary, a real `redis-server`, on loopback.
+//! built filter, the real `tollgate-limiter` binary, a real `redis-server`, on loopback. Every
+//! test runs against both builds (`wasm::…` loads `tollgate.wasm`, `native::…` the dynamic
+//! module `libtollgate_native.so`).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tollgate_e2e::build::Build;
 use tollgate_e2e::client::{burst_detailed, try_send_timeout};
 use tollgate_e2e::redis::commandstats_calls;
 use tollgate_e2e::tollgate::{envoy_config, item, policy_block, prometheus_value, Limiter, Store};
@@ -61,14 +64,20 @@ const LIMITER: &str = r#"{ "cluster": "tollgate_limiter", "timeout": "100ms" }"#
 const PATIENT: &str = r#"{ "cluster": "tollgate_limiter", "timeout": "2s" }"#;
 const CLOSED: &str = r#"{ "mode": "closed" }"#;
 
-fn start_envoy(policy: &str, upstream: &Upstream, limiter_port: u16, workers: u32) -> (Envoy, u16) {
+fn start_envoy(
+    build: Build,
+    policy: &str,
+    upstream: &Upstream,
+    limiter_port: u16,
+    workers: u32,
+) -> (Envoy, u16) {
     let envoy = Envoy::start(
-        EnvoyOptions::new(envoy_config(
+        EnvoyOptions::new(build.config(envoy_config(
             "envoy/global.yaml",
             policy,
             upstream.port(),
             Some(limiter_port),
-        ))
+        )))
         .concurrency(workers)
         .log_level("warn"),
     );
@@ -88,14 +97,13 @@ fn statuses(responses: &[Response]) -> BTreeMap<u16, usize> {
     counts
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_burst_across_two_instances_stays_within_the_global_budget() {
+async fn a_burst_across_two_instances_stays_within_the_global_budget(build: Build) {
     let redis = RedisServer::start();
     let policy = global_policy(1, "1h", 100, CLOSED, PATIENT);
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
     let upstream = Upstream::start();
-    let (a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
-    let (b, port_b) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    let (a, port_a) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
+    let (b, port_b) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     let (ra, rb) = tokio::join!(
         burst(port_a, 500, 40, |i| item("acme", i)),
         burst(port_b, 500, 40, |i| item("acme", i)),
@@ -122,16 +130,15 @@ async fn a_burst_across_two_instances_stays_within_the_global_budget() {
     assert!(callouts < 200, "{callouts} lease requests");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sustained_demand_at_five_times_the_rate_is_held_to_the_rate() {
+async fn sustained_demand_at_five_times_the_rate_is_held_to_the_rate(build: Build) {
     let redis = RedisServer::start();
     let rate = 100;
     let burst_size = 20;
     let policy = global_policy(rate, "1s", burst_size, CLOSED, PATIENT);
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
     let upstream = Upstream::start();
-    let (_a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
-    let (_b, port_b) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    let (_a, port_a) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
+    let (_b, port_b) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     // 500 requests/s (5 × the rate) for 10 s: every 20 ms, 5 requests to each instance.
     let seconds = 10;
     let start = Instant::now();
@@ -170,8 +177,7 @@ async fn sustained_demand_at_five_times_the_rate_is_held_to_the_rate() {
     assert!(admitted as f64 >= lower, "under-use: {admitted} < {lower}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_policies_and_weighted_cost_are_all_or_nothing() {
+async fn two_policies_and_weighted_cost_are_all_or_nothing(build: Build) {
     let redis = RedisServer::start();
     let policy = format!(
         r#"{{
@@ -190,7 +196,7 @@ async fn two_policies_and_weighted_cost_are_all_or_nothing() {
     );
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
     let upstream = Upstream::start();
-    let (_envoy, port) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    let (_envoy, port) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     let export = || RequestSpec::post("/exports", "{}").header("x-tenant-id", "acme");
     let mut export_statuses = Vec::new();
     for _ in 0..4 {
@@ -214,8 +220,7 @@ async fn two_policies_and_weighted_cost_are_all_or_nothing() {
     assert!(denied.body.contains("\"policy\":\"tenant-wide\""));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shadow_global_policy_admits_all_and_counts() {
+async fn shadow_global_policy_admits_all_and_counts(build: Build) {
     let redis = RedisServer::start();
     let policy = global_policy(1, "1h", 10, CLOSED, PATIENT).replace(
         "\"scope\": \"global\",",
@@ -223,7 +228,7 @@ async fn shadow_global_policy_admits_all_and_counts() {
     );
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
     let upstream = Upstream::start();
-    let (envoy, port) = start_envoy(&policy, &upstream, limiter.port(), 1);
+    let (envoy, port) = start_envoy(build, &policy, &upstream, limiter.port(), 1);
     let mut all = Vec::new();
     for i in 0..40 {
         all.push(send(port, item("acme", i)).await.status);
@@ -247,13 +252,12 @@ fn redis_calls(redis: &RedisServer) -> (u64, u64) {
     commandstats_calls(&redis.info("commandstats"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batching_keeps_redis_commands_far_below_requests() {
+async fn batching_keeps_redis_commands_far_below_requests(build: Build) {
     let redis = RedisServer::start();
     let policy = global_policy(1_000, "1s", 1_000, CLOSED, PATIENT);
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
     let upstream = Upstream::start();
-    let (_envoy, port) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    let (_envoy, port) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     // Warm up the lease, then measure 3 s at ~400 requests/s.
     burst(port, 50, 5, |i| item("steady", i)).await;
     let before = redis_calls(&redis);
@@ -385,7 +389,7 @@ fn counted(envoy: &Envoy, mode: Mode) -> u64 {
     metric(envoy, series)
 }
 
-async fn faults(mode: Mode) {
+async fn faults(build: Build, mode: Mode) {
     let redis = RedisServer::start();
     // Negligible refill, so the local budget during an outage is exactly burst × share.
     let policy = global_policy(1, "1h", 20, mode.json(), LIMITER);
@@ -395,7 +399,7 @@ async fn faults(mode: Mode) {
         &["--store-timeout", "30ms"],
     );
     let upstream = Upstream::start();
-    let (envoy, port) = start_envoy(&policy, &upstream, limiter.port(), 2);
+    let (envoy, port) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     assert_eq!(send(port, item("warm", 0)).await.status, 200);
 
     // 1. The limiter is stopped.
@@ -424,7 +428,7 @@ async fn faults(mode: Mode) {
 
     // 4. The limiter answers garbage (a stand-in HTTP server on the limiter's cluster).
     let garbage = Upstream::with_handler(|_| MockResponse::new(200, "<html>not a lease</html>"));
-    let (envoy2, port2) = start_envoy(&policy, &upstream, garbage.port(), 1);
+    let (envoy2, port2) = start_envoy(build, &policy, &upstream, garbage.port(), 1);
     during_fault(
         &envoy2,
         port2,
@@ -437,17 +441,28 @@ async fn faults(mode: Mode) {
     assert!(metric(&envoy2, "tollgate_callouts_failed") >= 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn faults_fail_open() {
-    faults(Mode::Open).await;
+async fn faults_fail_open(build: Build) {
+    faults(build, Mode::Open).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn faults_fail_closed() {
-    faults(Mode::Closed).await;
+async fn faults_fail_closed(build: Build) {
+    faults(build, Mode::Closed).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn faults_fall_back_to_the_local_budget() {
-    faults(Mode::Local).await;
+async fn faults_fall_back_to_the_local_budget(build: Build) {
+    faults(build, Mode::Local).await;
 }
+
+tollgate_e2e::both_builds!(
+    async: [
+        a_burst_across_two_instances_stays_within_the_global_budget,
+        sustained_demand_at_five_times_the_rate_is_held_to_the_rate,
+        two_policies_and_weighted_cost_are_all_or_nothing,
+        shadow_global_policy_admits_all_and_counts,
+        batching_keeps_redis_commands_far_below_requests,
+        faults_fail_open,
+        faults_fail_closed,
+        faults_fall_back_to_the_local_budget,
+    ],
+    sync: [],
+);
