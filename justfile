@@ -13,6 +13,12 @@ build-wasm:
     cargo build --release --target wasm32-wasip1 -p tollgate
     @ls -l {{wasm}} | awk '{print "built {{wasm}}: " $5 " bytes"}'
 
+# Build the native filter: target/native/libtollgate_native.so, an Envoy dynamic module
+# (profile `native`: release with unwinding panics, caught at every hook).
+build-native:
+    cargo build --profile native -p tollgate-native
+    @ls -l target/native/libtollgate_native.so | awk '{print "built target/native/libtollgate_native.so: " $5 " bytes"}'
+
 # Envoy + tollgate (global policy) + limiter (store=memory|redis) + demo upstream, until Ctrl-C.
 # The demo runs envoy/global.yaml with policies/demo.json: numbers a person can follow (burst
 # 20, a transfer costs 5, refilled at 10 units a minute).
@@ -86,7 +92,7 @@ deny-advisories:
 
 # Every test: lint, unit + property + end-to-end (real Envoy, real Redis), core on wasm32.
 # (A plain `cargo test` runs the unit and property tests only.)
-test: lint build-wasm
+test: lint build-wasm build-native
     cargo build -p tollgate-limiter
     # Every suite runs even when an earlier one fails; the recipe fails at the end if any did.
     # The end-to-end tier (real Envoy, Redis, limiter) is behind the e2e features.
@@ -154,7 +160,7 @@ bench-limiter seconds="5" *args:
 # tollgate vs Envoy's own limiters and a per-request global check, side by side: interleaved
 # rounds, ratios, Redis calls, peak RSS; writes bench/results/latest.{md,json}. Needs wrk.
 # Flags go to the driver, e.g. `just bench --rounds 5 --seconds 10` (see bench/src/main.rs).
-bench *args: build-wasm build-limiter-server
+bench *args: build-wasm build-native build-limiter-server
     cargo build --profile server -p tollgate-bench
     TOLLGATE_LIMITER_BIN=target/server/tollgate-limiter target/server/tollgate-bench {{args}}
 

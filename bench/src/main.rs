@@ -21,6 +21,8 @@
 //!      1 s); the log, at most 256 per window, counts over 50 ms (`config::LOG_WINDOW`: the
 //!      hottest of 100 Zipf tenants fills it only past ~26,500 req/s in all)
 //!   1u, 5u: 1 and 5 against a real HTTP upstream instead of a direct response
+//!   4n, 5n: 4 and 5 with the native build of the filter (the dynamic module
+//!      `libtollgate_native.so`, `envoy.filters.http.dynamic_modules`) instead of the .wasm
 //!   7  over limit: two Envoys, one global policy, paced demand per key at 3 × the rate split
 //!      evenly, 10 × split evenly and 10 × split 3:1, by a Rust load generator (`paced.rs`:
 //!      per-answer status and latency, which wrk cannot give)
@@ -56,6 +58,7 @@ use tollgate_bench::paced;
 use tollgate_bench::report::{InstanceRun, Latency, OverLimitRun, Report, Run, Scenario, Setup};
 use tollgate_bench::stats::{cpu_seconds, peak_rss};
 use tollgate_bench::wrk::{self, Load};
+use tollgate_e2e::build::Build;
 use tollgate_e2e::mtls::MtlsSetup;
 use tollgate_e2e::redis::commandstats_calls as redis_calls;
 use tollgate_e2e::redis::RedisOptions;
@@ -165,6 +168,8 @@ struct Spec {
     upstream: bool,
     /// Global only: the limiter behind mutual TLS (`envoy/global-mtls.yaml`).
     mtls: bool,
+    /// Which build of tollgate Envoy loads.
+    build: Build,
 }
 
 fn specs() -> Vec<Spec> {
@@ -188,6 +193,7 @@ fn specs() -> Vec<Spec> {
         policy: Some(PolicyDoc::local(ROUTE).counted_by(algorithm)),
         upstream: false,
         mtls: false,
+        build: Build::Wasm,
     };
     let mut specs = vec![
         Spec {
@@ -197,6 +203,7 @@ fn specs() -> Vec<Spec> {
             policy: None,
             upstream: false,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "2",
@@ -205,6 +212,7 @@ fn specs() -> Vec<Spec> {
             policy: None,
             upstream: false,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "3",
@@ -213,6 +221,7 @@ fn specs() -> Vec<Spec> {
             policy: Some(PolicyDoc::local("GET /orders/{id}")),
             upstream: false,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "4",
@@ -221,6 +230,7 @@ fn specs() -> Vec<Spec> {
             policy: Some(PolicyDoc::local(ROUTE)),
             upstream: false,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "4s",
@@ -229,6 +239,7 @@ fn specs() -> Vec<Spec> {
             policy: Some(PolicyDoc::local(ROUTE).settling()),
             upstream: false,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "5",
@@ -237,6 +248,7 @@ fn specs() -> Vec<Spec> {
             policy: Some(PolicyDoc::global(None)),
             upstream: false,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "5s",
@@ -245,6 +257,7 @@ fn specs() -> Vec<Spec> {
             policy: Some(PolicyDoc::global(None).settling()),
             upstream: false,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "6",
@@ -253,6 +266,7 @@ fn specs() -> Vec<Spec> {
             policy: Some(PolicyDoc::global(Some(1))),
             upstream: false,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "5t",
@@ -261,6 +275,7 @@ fn specs() -> Vec<Spec> {
             policy: Some(PolicyDoc::global(None)),
             upstream: false,
             mtls: true,
+            build: Build::Wasm,
         },
         Spec {
             id: "5h",
@@ -272,6 +287,7 @@ fn specs() -> Vec<Spec> {
             }),
             upstream: false,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "1u",
@@ -280,6 +296,7 @@ fn specs() -> Vec<Spec> {
             policy: None,
             upstream: true,
             mtls: false,
+            build: Build::Wasm,
         },
         Spec {
             id: "5u",
@@ -288,6 +305,25 @@ fn specs() -> Vec<Spec> {
             policy: Some(PolicyDoc::global(None)),
             upstream: true,
             mtls: false,
+            build: Build::Wasm,
+        },
+        Spec {
+            id: "4n",
+            title: "4 with the native build (dynamic module)".into(),
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::local(ROUTE)),
+            upstream: false,
+            mtls: false,
+            build: Build::Native,
+        },
+        Spec {
+            id: "5n",
+            title: "5 with the native build (dynamic module)".into(),
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::global(None)),
+            upstream: false,
+            mtls: false,
+            build: Build::Native,
         },
     ];
     // 4f, 4w and 4l go beside 4 and 4s.
@@ -355,7 +391,7 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
     yaml = match spec.filter {
         Filter::None => edit(config::without_wasm(&yaml)),
         Filter::Native => edit(config::with_native_local_ratelimit(&yaml)),
-        Filter::Tollgate => yaml,
+        Filter::Tollgate => spec.build.config(yaml),
     };
     if !spec.upstream {
         yaml = edit(config::direct_response(&yaml));

@@ -655,6 +655,20 @@ impl Report {
                 r.filter(|_| !unsettled).map(|r| r >= 0.9),
             ));
         }
+        // The native build (dynamic module): local limiting at about the cost of no filter,
+        // and global limiting at about the cost of local.
+        let s4n = self.rps_ratio("4n", "1");
+        out.push((
+            "S4n ≥ 0.9 × S1 (req/s)".to_string(),
+            ratio(s4n),
+            s4n.map(|r| r >= 0.9),
+        ));
+        let s5n = self.rps_ratio("5n", "4n");
+        out.push((
+            "S5n ≥ 0.95 × S4n (req/s)".to_string(),
+            ratio(s5n),
+            s5n.map(|r| r >= 0.95),
+        ));
         if !self.over_limit.is_empty() {
             out.extend(self.over_limit_targets());
         }

@@ -71,6 +71,15 @@ impl NativeFilter {
     pub fn finish(&mut self, envoy: FilterEnvoyPtr) {
         let (view, _) = parts(&self.config, self.stream.id, envoy);
         self.stream.finish(&view);
+        // The worker forgot the request; an outcome it left that no hook will act on goes
+        // with its scheduler.
+        if let Some(slot) = lock(&self.config.parked).remove(&self.stream.id) {
+            // SAFETY: created for this request; removed from the map under the lock the main
+            // thread commits under, so nothing commits to it any more.
+            unsafe {
+                abi::envoy_dynamic_module_callback_http_filter_scheduler_delete(slot.scheduler.0)
+            };
+        }
     }
 
     /// The worker decided for this held request: act on it on this thread.
