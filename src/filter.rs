@@ -72,11 +72,7 @@ impl Root {
             seed,
         )
         .map_err(|error| format!("cannot create the shared table: {error:?}"))?;
-        let mut instance = [0u8; 8];
-        for (dst, src) in instance.iter_mut().zip(table.salt()) {
-            *dst = *src;
-        }
-        let instance = u64::from_le_bytes(instance);
+        let instance = table.instance();
         let worker_index = next_worker_index(&HostSharedData);
         let queue = if policies.limiter.is_some() {
             let name = format!("{SHARED_PREFIX}queue/{instance:016x}/{worker_index}");

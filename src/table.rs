@@ -591,6 +591,16 @@ impl SlotTable {
         &self.salt
     }
 
+    /// This Envoy instance's number, from the table's salt (the same for every worker of the
+    /// instance): lease ids and the holder name towards the limiter are built from it.
+    pub fn instance(&self) -> u64 {
+        let mut instance = [0u8; 8];
+        for (dst, src) in instance.iter_mut().zip(&self.salt) {
+            *dst = *src;
+        }
+        u64::from_le_bytes(instance)
+    }
+
     fn group_key(&self, group: u32) -> String {
         format!("{}group/{group}", self.prefix)
     }

@@ -122,11 +122,7 @@ impl NativeConfig {
             seed,
         )
         .map_err(|error| format!("cannot create the shared table: {error:?}"))?;
-        let mut instance = [0u8; 8];
-        for (dst, src) in instance.iter_mut().zip(table.salt()) {
-            *dst = *src;
-        }
-        let instance = u64::from_le_bytes(instance);
+        let instance = table.instance();
         let worker = Worker::new(instance, NEXT_WORKER.fetch_add(1, Ordering::Relaxed));
         let metrics = Metrics::define(&policies);
         let (cluster, authority) = policies
