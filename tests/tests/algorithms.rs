@@ -11,13 +11,19 @@
 
 use std::time::{Duration, Instant};
 
+use tollgate_e2e::build::Build;
 use tollgate_e2e::tollgate::{envoy_config, policy_metric, start_ingress};
 use tollgate_e2e::{burst, send, Envoy, RequestSpec, Upstream};
 
 const WORKERS: u32 = 4;
 
-fn start(policy: &str, upstream: &Upstream) -> (Envoy, u16) {
-    let config = envoy_config("envoy/local.yaml", policy, upstream.port(), None);
+fn start(build: Build, policy: &str, upstream: &Upstream) -> (Envoy, u16) {
+    let config = build.config(envoy_config(
+        "envoy/local.yaml",
+        policy,
+        upstream.port(),
+        None,
+    ));
     start_ingress(config, WORKERS)
 }
 
@@ -36,10 +42,9 @@ const ALGORITHMS: &str = r#"{
   ]
 }"#;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_concurrent_burst_admits_exactly_the_limit_of_each_algorithm() {
+async fn a_concurrent_burst_admits_exactly_the_limit_of_each_algorithm(build: Build) {
     let upstream = Upstream::start();
-    let (envoy, port) = start(ALGORITHMS, &upstream);
+    let (envoy, port) = start(build, ALGORITHMS, &upstream);
     for route in ["bucket", "fixed", "sliding", "log"] {
         for tenant in ["acme", "globex"] {
             let responses = burst(port, 300, 50, |_| {
@@ -87,10 +92,9 @@ const SHAPED: &str = r#"{
   }]
 }"#;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shaping_spaces_requests_at_the_rate_and_refuses_past_max_delay() {
+async fn shaping_spaces_requests_at_the_rate_and_refuses_past_max_delay(build: Build) {
     let upstream = Upstream::start();
-    let (envoy, port) = start(SHAPED, &upstream);
+    let (envoy, port) = start(build, SHAPED, &upstream);
     let memory_before = envoy.memory_allocated();
     // 2 × the rate for 5 s: one request every 50 ms, each on its own connection.
     let start = Instant::now();
@@ -153,3 +157,11 @@ async fn shaping_spaces_requests_at_the_rate_and_refuses_past_max_delay() {
     assert!(envoy.memory_allocated() < memory_before + 8 * 1024 * 1024);
     assert_eq!(upstream.requests() as usize, admitted.len());
 }
+
+tollgate_e2e::both_builds!(
+    async: [
+        a_concurrent_burst_admits_exactly_the_limit_of_each_algorithm,
+        shaping_spaces_requests_at_the_rate_and_refuses_past_max_delay,
+    ],
+    sync: [],
+);

@@ -13,6 +13,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use tollgate_e2e::build::Build;
 use tollgate_e2e::tollgate::{assert_embeds_policy, envoy_config, policy_metric, start_ingress};
 use tollgate_e2e::{
     burst, paths, process, send, try_burst, try_send_streamed, Envoy, EnvoyOptions, MeteredRequest,
@@ -22,8 +23,19 @@ use tollgate_e2e::{
 const WORKERS: u32 = 4;
 const WAIT: Duration = Duration::from_secs(10);
 
-fn start(policy: &str, upstream: &MeteredUpstream, route_timeout: &str) -> (Envoy, u16) {
-    let config = envoy_config("envoy/llm.yaml", policy, upstream.port(), None)
+fn start(
+    build: Build,
+    policy: &str,
+    upstream: &MeteredUpstream,
+    route_timeout: &str,
+) -> (Envoy, u16) {
+    let config = build
+        .config(envoy_config(
+            "envoy/llm.yaml",
+            policy,
+            upstream.port(),
+            None,
+        ))
         .replace("timeout: 300s", &format!("timeout: {route_timeout}"));
     start_ingress(config, WORKERS)
 }
@@ -133,10 +145,10 @@ fn by_header(max_debt: u64, rate: &str) -> String {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unused_reservations_come_back_to_the_bucket() {
+async fn unused_reservations_come_back_to_the_bucket(build: Build) {
     let upstream = MeteredUpstream::start();
     let (envoy, port) = start(
+        build,
         &by_header(300, r#"{"units":1,"per":"1h"}"#),
         &upstream,
         "5s",
@@ -196,11 +208,11 @@ async fn unused_reservations_come_back_to_the_bucket() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_excess_is_debt_that_refuses_until_repaid() {
+async fn an_excess_is_debt_that_refuses_until_repaid(build: Build) {
     let upstream = MeteredUpstream::start();
     // 200 units per second, burst 300, debt at most 200.
     let (envoy, port) = start(
+        build,
         &by_header(200, r#"{"units":200,"per":"1s"}"#),
         &upstream,
         "5s",
@@ -288,10 +300,9 @@ fn post(path: &str, body: impl Into<String>) -> RequestSpec {
     RequestSpec::post(path, body).header("x-tenant-id", "acme")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn usage_from_a_trailer_a_json_body_and_an_event_stream() {
+async fn usage_from_a_trailer_a_json_body_and_an_event_stream(build: Build) {
     let upstream = MeteredUpstream::start();
-    let (envoy, port) = start(BY_PLACE, &upstream, "5s");
+    let (envoy, port) = start(build, BY_PLACE, &upstream, "5s");
     // A trailer: reserved the route's 100, used 37. The client gets the trailer too (h2c).
     let r = try_send_streamed(
         port,
@@ -350,10 +361,9 @@ async fn usage_from_a_trailer_a_json_body_and_an_event_stream() {
     assert_eq!(policy_metric(&envoy, "units_refunded", "by-sse"), 139);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hostile_bodies_take_the_default_and_resets_follow_the_policy() {
+async fn hostile_bodies_take_the_default_and_resets_follow_the_policy(build: Build) {
     let upstream = MeteredUpstream::start();
-    let (envoy, port) = start(BY_PLACE, &upstream, "5s");
+    let (envoy, port) = start(build, BY_PLACE, &upstream, "5s");
     let nested = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
     let oversized = format!(r#"{{"max_tokens":10,"pad":"{}"}}"#, "x".repeat(200_000));
     let bodies = [
@@ -464,10 +474,9 @@ const IN_FLIGHT: &str = r#"{
   }]
 }"#;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_flight_limits_hold_across_workers_and_every_end_releases() {
+async fn in_flight_limits_hold_across_workers_and_every_end_releases(build: Build) {
     let upstream = MeteredUpstream::start();
-    let (envoy, port) = start(IN_FLIGHT, &upstream, "3s");
+    let (envoy, port) = start(build, IN_FLIGHT, &upstream, "3s");
     // 60 slow requests at once over 60 connections (spread over the 4 workers): 8 reach the
     // upstream, the other 52 are refused at once.
     let responses = burst(port, 60, 60, |_| chat("acme").delay_ms(2_000)).await;
@@ -512,3 +521,14 @@ async fn in_flight_limits_hold_across_workers_and_every_end_releases() {
     wait_metric(&envoy, "in_flight", "concurrency", 0);
     assert_eq!(policy_metric(&envoy, "in_flight_expired", "concurrency"), 0);
 }
+
+tollgate_e2e::both_builds!(
+    async: [
+        unused_reservations_come_back_to_the_bucket,
+        an_excess_is_debt_that_refuses_until_repaid,
+        usage_from_a_trailer_a_json_body_and_an_event_stream,
+        hostile_bodies_take_the_default_and_resets_follow_the_policy,
+        in_flight_limits_hold_across_workers_and_every_end_releases,
+    ],
+    sync: [],
+);
