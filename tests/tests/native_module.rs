@@ -72,6 +72,31 @@ async fn the_pinned_envoy_loads_the_module_and_the_abi_version_matches() {
     assert_eq!(statuses, [200, 200, 200, 429, 429]);
 }
 
+/// The client address comes from Envoy's `source.address` attribute, as the wasm filter's
+/// property does: a key of it limits, and a request without one would be refused
+/// (`on_missing_key` is `deny` here), not admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_ip_keys_read_the_client_address() {
+    let upstream = Upstream::start();
+    let policy = policy(r#"{ "client_ip": { "trusted_hops": 0 } }"#)
+        .replace(r#""burst": 3"#, r#""burst": 3, "on_missing_key": "deny""#);
+    let config = Build::Native.config(envoy_config(
+        "envoy/local.yaml",
+        &policy,
+        upstream.port(),
+        None,
+    ));
+    let envoy = Envoy::start(EnvoyOptions::new(config).concurrency(2).log_level("warn"));
+    let port = envoy.listener_port("ingress");
+    let mut statuses = Vec::new();
+    for i in 0..5 {
+        // Each request on its own connection (another source port): the key is 127.0.0.1.
+        let request = RequestSpec::get(format!("/items/{i}"));
+        statuses.push(send(port, request).await.status);
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+}
+
 #[test]
 fn jwt_claim_keys_are_refused_by_the_native_build_naming_the_policy() {
     let upstream = Upstream::start();
