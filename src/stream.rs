@@ -226,8 +226,12 @@ impl Stream {
         if std::mem::replace(&mut self.finished, true) {
             return;
         }
-        let id = self.id;
-        instance.with_worker(|worker| worker.forget(id));
+        if self.held {
+            // Only a held request can be the worker's (it waited or slept): the others end
+            // without touching the worker (in the native build, a lock shared by every thread).
+            let id = self.id;
+            instance.with_worker(|worker| worker.forget(id));
+        }
         let mut usage = match self.usage.take() {
             Some(usage) => usage,
             None => {
@@ -242,6 +246,11 @@ impl Stream {
         for (admission, pending) in usage.on_end() {
             apply(instance, admission, pending, true, now);
         }
+    }
+
+    /// Whether the request was ever paused (for a lease, a shaped turn or a local answer).
+    pub fn was_held(&self) -> bool {
+        self.held
     }
 
     /// Whether the request still waits for its decision (or was answered locally).

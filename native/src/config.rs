@@ -174,7 +174,7 @@ impl NativeConfig {
 
     /// A scheduler event, on the main thread.
     pub fn on_scheduled(&self, event: u64) {
-        let host = MainHost { config: self };
+        let host = self.main_host();
         let ctx = self.ctx(&host);
         let mut worker = self.worker();
         match event {
@@ -195,7 +195,7 @@ impl NativeConfig {
         let Ok(token) = u32::try_from(callout) else {
             return;
         };
-        let host = MainHost { config: self };
+        let host = self.main_host();
         let ctx = self.ctx(&host);
         self.worker().complete(token, status, body, &ctx);
     }

@@ -72,7 +72,10 @@ impl NativeFilter {
         let (view, _) = parts(&self.config, self.stream.id, envoy);
         self.stream.finish(&view);
         // The worker forgot the request; an outcome it left that no hook will act on goes
-        // with its scheduler.
+        // with its scheduler (only a request that was held can have one).
+        if !self.stream.was_held() {
+            return;
+        }
         if let Some(slot) = lock(&self.config.parked).remove(&self.stream.id) {
             // SAFETY: created for this request; removed from the map under the lock the main
             // thread commits under, so nothing commits to it any more.

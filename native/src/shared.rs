@@ -7,10 +7,11 @@
 //! its memory is bounded by configuration, as in the wasm build. Keys are spread over
 //! [`SHARDS`] mutexes so that workers touching different groups do not wait for each other.
 
+use crate::config::lock;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 use tollgate::shared::{ReadError, SharedData, WriteError};
 
 /// Mutexes the keys are spread over.
@@ -56,17 +57,14 @@ impl ProcessSharedData {
     /// Keys held.
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).len())
-            .sum()
+        self.shards.iter().map(|s| lock(s).len()).sum()
     }
 }
 
 impl SharedData for ProcessSharedData {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), ReadError> {
         let shard = self.shard(key).ok_or(ReadError)?;
-        let map = shard.lock().unwrap_or_else(PoisonError::into_inner);
+        let map = lock(shard);
         Ok(match map.get(key) {
             Some((value, stamp)) => (Some(value.clone()), Some(*stamp)),
             None => (None, None),
@@ -76,7 +74,7 @@ impl SharedData for ProcessSharedData {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), WriteError> {
         let shard = self.shard(key).ok_or(WriteError::Host)?;
         let stamp = self.stamp();
-        let mut map = shard.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = lock(shard);
         match map.get_mut(key) {
             Some(entry) => {
                 if let Some(cas) = cas.filter(|c| *c != 0) {
