@@ -182,10 +182,16 @@ fn counter(name: &str) -> Option<u32> {
     define(MetricType::Counter, name)
 }
 
+/// Adds `by` to a counter. Hosts take an `i64`: an amount past `i64::MAX` (a usage value the
+/// engine capped at `u64::MAX`) adds `i64::MAX`, never nothing.
 fn bump(id: Option<u32>, by: u64) {
-    if let (Some(id), Ok(by @ 1..)) = (id, i64::try_from(by)) {
-        sink::increment(id, by);
+    if let Some(id) = id.filter(|_| by > 0) {
+        sink::increment(id, saturating_i64(by));
     }
+}
+
+fn saturating_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 fn gauge(id: Option<u32>, delta: i64) {
@@ -351,8 +357,8 @@ impl Metrics {
             return;
         };
         bump(c.in_flight_expired, expired);
-        if let Ok(expired @ 1..) = i64::try_from(expired) {
-            gauge(c.in_flight, -expired);
+        if expired > 0 {
+            gauge(c.in_flight, -saturating_i64(expired));
         }
     }
 
@@ -377,5 +383,35 @@ impl Metrics {
 
     pub fn deadline_passed(&self) {
         bump(self.waiting_deadline, 1);
+    }
+}
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod tests {
+    use super::*;
+
+    /// A settlement of a usage the engine capped at `u64::MAX` (a header of 10^32, a JSON
+    /// 1e30) counts `i64::MAX`, the most a host's counter takes in one increment.
+    #[test]
+    fn amounts_past_i64_max_saturate() {
+        let doc = include_str!("../policies/payments.json");
+        let policies = Policies::from_json(doc.as_bytes()).unwrap();
+        let metrics = Metrics::define(&policies);
+        let name = &policies.policies[0].name;
+        let done = Settlement {
+            settled: Some(u64::MAX),
+            uncharged: u64::MAX - 5,
+            refunded: 1 << 63,
+            charged: 7,
+            ..Settlement::default()
+        };
+        metrics.finished(0, &done);
+        let value = |what: &str| sink::value(&format!("tollgate_{what}.policy.{name}"));
+        assert_eq!(value("units_settled"), i64::MAX as u64);
+        assert_eq!(value("units_uncharged"), i64::MAX as u64);
+        assert_eq!(value("units_refunded"), i64::MAX as u64);
+        assert_eq!(value("units_debt"), 7);
+        metrics.lease(0, LeaseEvent::Granted(u64::MAX));
+        assert_eq!(value("tokens_granted"), i64::MAX as u64);
     }
 }
