@@ -11,12 +11,19 @@
 //! enforces the filter's own deadline, so no request waits longer than the limiter timeout plus
 //! a small margin whatever the network does, and looks again at requests waiting for an answer
 //! another worker asked for.
+//!
+//! Leases this worker credited are watched for expiry: the tick takes an expired lease's
+//! unspent tokens out of its record and returns them, whatever the traffic (a key that gets no
+//! more requests would otherwise keep them until its record is evicted). Taking them out is
+//! one CAS transaction on the record, so exactly one taker (this tick, another worker's, or a
+//! request of the key that finds the lease expired) returns a given lease.
 
 use crate::engine::{Admission, Attempt, Decision, Engine, LeaseNeed, Plan, ReturnNeed, Verdict};
 use crate::global::{self, CalloutError, DEADLINE_MARGIN_MS};
 use crate::metrics::{LeaseEvent, Metrics};
 use crate::shared::SharedData;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use crate::table::{TableError, Txn};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tollgate_core::protocol::{
     ErrorCode, LeaseRequest, LeaseResult, LeaseReturn, ReturnResult, LEASES_PATH, MAX_BATCH,
@@ -31,6 +38,15 @@ pub const TICK_MS: u64 = 5;
 pub const MAX_WAITERS: usize = 10_000;
 /// Most requests waiting for another worker's answer that one tick decides again.
 pub const MAX_POLLED_PER_TICK: usize = 512;
+/// Tick period while nobody waits but leases this worker credited are outstanding: an
+/// expired lease's unspent tokens go back to the limiter within about this long of its expiry
+/// (plus the return callout), whether or not its key gets another request.
+pub const RETURN_TICK_MS: u64 = 100;
+/// Most expired leases one tick takes back (bounded work per tick; the rest go next tick).
+pub const MAX_RETURNS_PER_TICK: usize = 256;
+/// Most keys one worker watches for lease expiry (bounded memory); beyond it, a key's expired
+/// lease is returned by its next request, as before.
+pub const MAX_WATCHED: usize = 65_536;
 /// Rounds of dispatching in one flush (a failed dispatch decides its waiters, which may queue
 /// a probe: bounded, never a loop without end).
 const MAX_FLUSH_ROUNDS: usize = 4;
@@ -110,6 +126,13 @@ struct Asked {
     fresh: bool,
 }
 
+/// A key whose lease this worker credited: when it expires, and what its return names.
+struct Watched {
+    at_ms: u64,
+    policy: usize,
+    key: String,
+}
+
 enum Callout {
     Leases {
         items: Vec<Asked>,
@@ -139,7 +162,11 @@ pub struct Worker {
     waiters: HashMap<u32, Waiter>,
     /// Shaped requests paused until their turn, by context.
     sleepers: HashMap<u32, Sleeper>,
-    ticking: bool,
+    /// Keys whose lease this worker credited, by expiry (`watched` says when each is due).
+    expiring: BTreeSet<(u64, String)>,
+    watched: HashMap<String, Watched>,
+    /// The tick period asked of the host (0: off).
+    tick_ms: u64,
     /// Units of finished requests per policy (index), not yet reported to the limiter: they
     /// go with the next lease or return callout.
     settled: Vec<u64>,
@@ -159,7 +186,9 @@ impl Worker {
             callouts: HashMap::new(),
             waiters: HashMap::new(),
             sleepers: HashMap::new(),
-            ticking: false,
+            expiring: BTreeSet::new(),
+            watched: HashMap::new(),
+            tick_ms: 0,
             settled: Vec::new(),
         }
     }
@@ -666,13 +695,20 @@ impl Worker {
                     if a.fresh && grant.share_per_s > 0.0 {
                         ctx.metrics.lease(need.policy, LeaseEvent::Assigned);
                     }
-                    if let Err(error) = ctx
+                    match ctx
                         .engine
                         .credit(ctx.store, need, grant, a.seq, ctx.now_ms, a.fresh)
                     {
-                        log::warn!("granted tokens lost (table {error:?})");
-                        ctx.metrics
-                            .lease(need.policy, LeaseEvent::Expired(grant.granted));
+                        Ok(()) if grant.granted > 0 || grant.share_per_s > 0.0 => {
+                            let at_ms = ctx.now_ms.saturating_add(grant.expires_ms);
+                            self.watch(need.policy, &need.key, &need.bucket_id, at_ms);
+                        }
+                        Ok(()) => {}
+                        Err(error) => {
+                            log::warn!("granted tokens lost (table {error:?})");
+                            ctx.metrics
+                                .lease(need.policy, LeaseEvent::Expired(grant.granted));
+                        }
                     }
                 }
                 Some(LeaseResult::Error(error)) if error.error != ErrorCode::Unavailable => {
@@ -803,17 +839,164 @@ impl Worker {
         for context_id in elsewhere {
             self.decide_waiter(context_id, ctx, false);
         }
+        self.take_expired(ctx);
         self.flush(ctx);
         self.update_tick(ctx.host);
     }
 
-    fn update_tick(&mut self, host: &impl Host) {
-        let want = !self.waiters.is_empty() || !self.sleepers.is_empty();
-        if want != self.ticking {
-            host.set_tick(if want { TICK_MS } else { 0 });
-            self.ticking = want;
+    /// Watches `bucket_id`'s lease, credited here, for its expiry at `at_ms` (a later credit
+    /// of the key moves it: the record's lease expires with its latest grant).
+    fn watch(&mut self, policy: usize, key: &str, bucket_id: &str, at_ms: u64) {
+        let room = self.watched.len() < MAX_WATCHED;
+        match self.watched.get_mut(bucket_id) {
+            Some(watched) => {
+                self.expiring
+                    .remove(&(watched.at_ms, bucket_id.to_string()));
+                // The earlier time: a lease found live then is watched again until the
+                // expiry its record says (a windowed lease may end before `at_ms`).
+                watched.at_ms = watched.at_ms.min(at_ms);
+                watched.policy = policy;
+            }
+            None if room => {
+                self.watched.insert(
+                    bucket_id.to_string(),
+                    Watched {
+                        at_ms,
+                        policy,
+                        key: key.to_string(),
+                    },
+                );
+            }
+            None => return,
+        }
+        if let Some(watched) = self.watched.get(bucket_id) {
+            self.expiring.insert((watched.at_ms, bucket_id.to_string()));
         }
     }
+
+    /// Keys whose lease this worker watches for expiry.
+    pub fn watching(&self) -> usize {
+        self.watched.len()
+    }
+
+    /// Takes the unspent tokens of watched leases that have expired out of their records and
+    /// queues their return (at most [`MAX_RETURNS_PER_TICK`] keys; the rest next tick). A
+    /// lease that another answer has renewed meanwhile is watched again until its new expiry.
+    fn take_expired<S: SharedData, H: Host>(&mut self, ctx: &Ctx<'_, S, H>) {
+        for _ in 0..MAX_RETURNS_PER_TICK {
+            let Some((at_ms, bucket_id)) = self.expiring.first().cloned() else {
+                break;
+            };
+            if at_ms > ctx.now_ms {
+                break;
+            }
+            self.expiring.remove(&(at_ms, bucket_id.clone()));
+            let Some(watched) = self.watched.remove(&bucket_id) else {
+                continue;
+            };
+            match take_expired(ctx.engine, ctx.store, &bucket_id, ctx.now_ms) {
+                Ok(LeaseExpiry::Taken {
+                    seq,
+                    returnable,
+                    expired,
+                }) => {
+                    if returnable > 0 {
+                        self.queued_returns.push(ReturnNeed {
+                            policy: watched.policy,
+                            key: watched.key,
+                            seq,
+                            unused: returnable,
+                        });
+                    }
+                    if expired > 0 {
+                        ctx.metrics
+                            .lease(watched.policy, LeaseEvent::Expired(expired));
+                    }
+                }
+                Ok(LeaseExpiry::Live(until_ms)) => {
+                    self.watch(watched.policy, &watched.key, &bucket_id, until_ms);
+                }
+                Ok(LeaseExpiry::Empty) => {}
+                Err(TableError::Contended) => {
+                    // Requests of the key keep winning the record: look again next tick.
+                    let again = ctx.now_ms.saturating_add(RETURN_TICK_MS);
+                    self.watch(watched.policy, &watched.key, &bucket_id, again);
+                }
+                Err(error) => log::debug!("cannot look at an expired lease: {error:?}"),
+            }
+        }
+    }
+
+    /// The tick the worker needs: fast while requests wait or sleep, slow while leases it
+    /// credited may still expire with tokens left, else none.
+    fn update_tick(&mut self, host: &impl Host) {
+        let want = if !self.waiters.is_empty() || !self.sleepers.is_empty() {
+            TICK_MS
+        } else if !self.expiring.is_empty() {
+            RETURN_TICK_MS
+        } else {
+            0
+        };
+        if want != self.tick_ms {
+            host.set_tick(want);
+            self.tick_ms = want;
+        }
+    }
+}
+
+/// What a key's record held when the worker looked at its lease for expiry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LeaseExpiry {
+    /// The lease had expired: its unspent tokens were taken out of the record (`returnable`
+    /// to give back under lease `seq`, `expired` older leftovers that cannot be).
+    Taken {
+        seq: u64,
+        returnable: u64,
+        expired: u64,
+    },
+    /// The lease runs until then (a later answer renewed it).
+    Live(u64),
+    /// Nothing left to return (spent, or taken already by a request or another worker).
+    Empty,
+}
+
+/// Takes the unspent tokens of `bucket_id`'s lease out of its record if the lease has expired:
+/// one CAS transaction, so of every worker and request that finds the lease expired exactly
+/// one gets its tokens to return. Writes nothing otherwise (never creates a record). The
+/// record's eviction time is left as it was: taking tokens out never makes it later.
+fn take_expired(
+    engine: &Engine,
+    store: &impl SharedData,
+    bucket_id: &str,
+    now_ms: u64,
+) -> Result<LeaseExpiry, TableError> {
+    let result = engine.table().transact(
+        store,
+        &[bucket_id],
+        now_ms,
+        |records| {
+            let Some(lease) = records.first_mut().map(|r| &mut r.lease) else {
+                return Txn::Abort(LeaseExpiry::Empty);
+            };
+            global::accrue(lease, now_ms);
+            let seq = lease.seq;
+            match global::expire(lease, now_ms) {
+                Some((returnable, expired)) => Txn::Commit(LeaseExpiry::Taken {
+                    seq,
+                    returnable,
+                    expired,
+                }),
+                None if lease.expires_ms > now_ms
+                    && (lease.tokens > 0 || lease.drip_until_ms > now_ms) =>
+                {
+                    Txn::Abort(LeaseExpiry::Live(lease.expires_ms))
+                }
+                None => Txn::Abort(LeaseExpiry::Empty),
+            }
+        },
+        |_, _, _, _| {},
+    )?;
+    Ok(result.value)
 }
 
 /// The 429 of a shaped request the worker has no room to pause (its cost stays taken:

@@ -283,7 +283,11 @@ fn waiters_of_one_key_share_one_callout_and_spend_the_lease() {
         rig.host.resumed.borrow().clone()
     });
     assert_eq!(rig.worker.waiting(), 0);
-    assert_eq!(rig.host.tick.get(), 0, "tick off when nobody waits");
+    assert_eq!(
+        rig.host.tick.get(),
+        RETURN_TICK_MS,
+        "slow tick when nobody waits but a lease may expire with tokens left"
+    );
     // The lease (4 tokens, 2 spent) covers the next requests without a callout... until the
     // low-water mark asks for a refill in the background.
     assert_eq!(rig.request(12, "acme", 1_002), Verdict::Continue);
@@ -446,6 +450,125 @@ fn expired_leases_are_returned() {
     assert_eq!(body.returns[0].key, "t");
     rig.answer_all(2_501);
     assert_eq!(sink::value("tollgate_tokens_returned.policy.g"), 3);
+}
+
+/// The return callouts in flight, as sent.
+fn returns_sent(rig: &Rig) -> Vec<tollgate_core::protocol::ReturnBatch> {
+    rig.host
+        .sent
+        .borrow()
+        .iter()
+        .filter(|(_, p, _, _)| p == RETURNS_PATH)
+        .map(|(_, _, body, _)| serde_json::from_slice(body).unwrap())
+        .collect()
+}
+
+#[test]
+fn the_tick_returns_an_expired_lease_without_another_request() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    rig.answer_all(0);
+    assert_eq!(rig.worker.watching(), 1);
+    // 4 granted, 1 spent, expiring at 2 s: nothing goes back before then.
+    rig.tick(1_999);
+    assert!(returns_sent(&rig).is_empty());
+    assert_eq!(rig.host.tick.get(), RETURN_TICK_MS);
+    // The key gets no more requests: the tick alone returns the 3 unspent tokens.
+    rig.tick(2_050);
+    let returns = returns_sent(&rig);
+    assert_eq!(returns.len(), 1);
+    assert_eq!(returns[0].returns[0].unused, 3);
+    assert_eq!(returns[0].returns[0].key, "t");
+    assert_eq!(returns[0].returns[0].policy, "g");
+    rig.answer_all(2_051);
+    assert_eq!(sink::value("tollgate_tokens_returned.policy.g"), 3);
+    assert_eq!(sink::value("tollgate_tokens_expired.policy.g"), 0);
+    assert_eq!(rig.worker.watching(), 0);
+    assert_eq!(rig.host.tick.get(), 0, "tick off once nothing is held");
+    // The tokens left the record: a later request asks afresh, returning nothing twice.
+    assert_eq!(rig.request(2, "t", 2_100), Verdict::Wait);
+    assert!(returns_sent(&rig).is_empty());
+}
+
+#[test]
+fn a_lease_is_returned_once_whoever_finds_it_expired() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    rig.answer_all(0);
+    // Another worker of the instance watches the same key (as if it had credited it).
+    let mut other = Worker::new(0xabc, 2);
+    let plan = rig.engine.plan(
+        &RequestFacts {
+            method: "GET".into(),
+            path: "/x".into(),
+            host: "h".into(),
+        },
+        &Req("t"),
+    );
+    let m = &plan.enforced[0];
+    other.watch(m.index, &m.key, &m.bucket_id, 2_000);
+    other.tick(&rig.ctx(2_010));
+    rig.tick(2_020);
+    // A request of the key after both: its lease is gone, it returns nothing either.
+    assert_eq!(rig.request(2, "t", 2_030), Verdict::Wait);
+    let returns = returns_sent(&rig);
+    assert_eq!(returns.len(), 1, "one return of the lease in all");
+    assert_eq!(returns[0].returns[0].unused, 3);
+    assert_eq!(rig.worker.watching(), 0);
+    assert_eq!(other.watching(), 0);
+}
+
+#[test]
+fn a_renewed_lease_is_watched_until_its_new_expiry() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
+    rig.answer_all(0);
+    let plan = rig.engine.plan(
+        &RequestFacts {
+            method: "GET".into(),
+            path: "/x".into(),
+            host: "h".into(),
+        },
+        &Req("t"),
+    );
+    let m = plan.enforced[0].clone();
+    // Another worker's answer renews the lease at 1.5 s (5 more tokens, expiring at 3.5 s):
+    // this worker's watch at 2 s finds it live, and returns it only after its new expiry.
+    rig.engine
+        .table()
+        .update(&rig.store, &m.bucket_id, 1_500, |record| {
+            record.lease.tokens += 5;
+            record.lease.granted = 5;
+            record.lease.seq = 77;
+            record.lease.expires_ms = 3_500;
+        })
+        .unwrap();
+    rig.tick(2_050);
+    assert!(returns_sent(&rig).is_empty(), "a live lease stays");
+    assert_eq!(rig.worker.watching(), 1);
+    rig.tick(3_550);
+    let returns = returns_sent(&rig);
+    assert_eq!(returns.len(), 1);
+    // What the latest lease granted goes back under its id; the older leftover expires.
+    assert_eq!(returns[0].returns[0].unused, 5);
+    assert_eq!(returns[0].returns[0].id, global::lease_id(0xabc, 77));
+    assert_eq!(sink::value("tollgate_tokens_expired.policy.g"), 3);
+}
+
+#[test]
+fn one_tick_takes_back_a_bounded_number_of_leases() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    let total = MAX_RETURNS_PER_TICK + 4;
+    for i in 0..total {
+        rig.worker
+            .watch(0, &format!("k{i}"), &format!("g:k{i}"), 10);
+    }
+    rig.tick(20);
+    assert_eq!(rig.worker.watching(), 4, "the rest wait for the next tick");
+    rig.tick(120);
+    assert_eq!(rig.worker.watching(), 0);
+    // None of these keys holds a lease: nothing to return.
+    assert!(returns_sent(&rig).is_empty());
 }
 
 #[test]
@@ -660,6 +783,7 @@ fn a_late_denial_never_hides_tokens_the_instance_holds() {
         want: 5,
         demand_per_s: 1.0,
         blocking: true,
+        asked_ms: 0,
     };
     let grant = LeaseGranted {
         id: "a".into(),
