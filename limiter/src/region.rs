@@ -11,6 +11,9 @@
 //!   low or its assignment ends, one ask in flight per key, under `--parent-timeout`; an
 //!   instance waits for the parent only when the reservoir is dry (its first lease, or after
 //!   the region's assignment ended);
+//! * the connection to the parent is opened at start and kept open in the background, so an
+//!   ask's deadline is not spent on a TCP and TLS handshake; `/readyz` answers 503 until the
+//!   parent has been reached once;
 //! * leases about to expire with tokens left go back to the parent, so an idle region does
 //!   not strand budget another region needs;
 //! * partition: while the parent cannot be reached, the region spends what it holds until
@@ -185,6 +188,8 @@ pub struct RegionalStore {
     inner_timeout: Duration,
     shared: Arc<Shared>,
     sweeper: JoinHandle<()>,
+    /// Keeps the connection to the parent open ([`Parent::keep_connected`]).
+    connector: JoinHandle<()>,
 }
 
 impl std::fmt::Debug for RegionalStore {
@@ -199,6 +204,7 @@ impl std::fmt::Debug for RegionalStore {
 impl Drop for RegionalStore {
     fn drop(&mut self) {
         self.sweeper.abort();
+        self.connector.abort();
     }
 }
 
@@ -246,11 +252,17 @@ impl RegionalStore {
                 }
             }
         });
+        // The connection to the parent is opened now, before any instance asks.
+        let connector = tokio::spawn({
+            let shared = Arc::clone(&shared);
+            async move { shared.parent.keep_connected().await }
+        });
         Ok(Self {
             inner,
             inner_timeout,
             shared,
             sweeper,
+            connector,
         })
     }
 
@@ -674,8 +686,13 @@ impl Store for RegionalStore {
         self.inner.prepare().await
     }
 
+    /// Its own store is ready, and the parent has been reached since start (an instance that
+    /// never reached it can lease nothing of a global policy: a rollout with a wrong
+    /// `--parent`, CA or certificate stops at its first instance). A later partition does not
+    /// make it unready: it spends what it holds, and its regional policies are its own.
     async fn ready(&self) -> Result<(), StoreError> {
-        self.inner.ready().await
+        self.inner.ready().await?;
+        self.shared.parent.reached().map_err(StoreError::Parent)
     }
 
     async fn active_keys(&self) -> Result<Vec<(String, u64)>, StoreError> {

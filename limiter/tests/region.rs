@@ -19,7 +19,7 @@ use support::*;
 use tollgate_limiter::region::RegionConfig;
 use tollgate_limiter::StoreConfig;
 
-async fn regional(parent: std::net::SocketAddr) -> tollgate_limiter::Running {
+fn regional_config(parent: std::net::SocketAddr) -> tollgate_limiter::ServerConfig {
     let mut c = config(StoreConfig::Memory);
     c.region = Some(RegionConfig {
         parent_url: format!("http://{parent}"),
@@ -28,7 +28,12 @@ async fn regional(parent: std::net::SocketAddr) -> tollgate_limiter::Running {
         max_keys: 1_000,
         tls: None,
     });
-    start_with(c).await
+    c
+}
+
+/// A regional limiter in front of `parent`, once ready (it has reached the parent).
+async fn regional(parent: std::net::SocketAddr) -> tollgate_limiter::Running {
+    start_with(regional_config(parent)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -128,7 +133,7 @@ async fn a_regional_limiter_without_its_parent_answers_unavailable_quickly() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let gone = listener.local_addr().unwrap();
     drop(listener);
-    let region = regional(gone).await;
+    let region = start_unready(regional_config(gone)).await;
     let started = std::time::Instant::now();
     let body = holder_body("x1", "hundred", &unique("gone"), (1, 1), "envoy-1", 1.0);
     let (status, v) = post(region.addr(), "/v1/leases", &body).await;
@@ -139,8 +144,38 @@ async fn a_regional_limiter_without_its_parent_answers_unavailable_quickly() {
         "{:?}",
         started.elapsed()
     );
-    // /readyz is about the region's own store: still ready.
-    let (status, _) = get(region.addr(), "/readyz").await;
-    assert_eq!(status, 200);
+    // A region that has never reached its parent is not ready, and says why.
+    let (status, body) = get(region.addr(), "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("has not been reached"), "{body}");
+    assert!(body.contains(&gone.to_string()), "{body}");
+    region.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_connects_in_the_background_and_is_ready_once_its_parent_is_up() {
+    // The region starts first, towards an address nobody listens on yet.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = listener.local_addr().unwrap();
+    drop(listener);
+    let region = start_unready(regional_config(at)).await;
+    let (status, body) = get(region.addr(), "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+
+    // The parent comes up there: the region connects by itself (no lease asked it to) and
+    // becomes ready, then leases come from the parent.
+    let mut c = config(StoreConfig::Memory);
+    c.listen = at;
+    let parent = start_with(c).await;
+    until_serving(&region).await;
+    let body = holder_body("late-1", "hundred", &unique("late"), (1, 3), "envoy-1", 1.0);
+    let (status, v) = post(region.addr(), "/v1/leases", &body).await;
+    assert_eq!((status, granted(&v)), (200, 3), "{v}");
+
+    // A partition after that does not make it unready: it spends what it holds, and its
+    // regional policies are its own.
+    parent.shutdown().await;
+    let (status, body) = get(region.addr(), "/readyz").await;
+    assert_eq!(status, 200, "{body}");
     region.shutdown().await;
 }

@@ -6,10 +6,15 @@
 //! `http://` is h2c (prior knowledge). `https://` is HTTP/2 over TLS (ALPN `h2`): the parent's
 //! certificate must chain to `--parent-ca`, and with `--parent-cert`/`--parent-key` this
 //! instance presents a client certificate (the parent's `--tls-client-ca`, `--tls-allow`).
+//!
+//! One HTTP/2 connection carries every call. It is opened ahead of need and kept open by
+//! [`Parent::keep_connected`] (a check every few seconds, HTTP/2 pings while idle, a new
+//! connection soon after one drops), so a call's deadline is spent on the call, not on a TCP
+//! and TLS handshake that a busy host may take longer than `--parent-timeout` to finish.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
@@ -17,7 +22,8 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::sync::Notify;
 use tollgate_core::protocol::{
     LeaseBatch, LeaseBatchResponse, LeaseRequest, LeaseResult, LeaseReturn, ReturnBatch,
     ReturnBatchResponse, ReturnResult,
@@ -25,6 +31,25 @@ use tollgate_core::protocol::{
 
 /// Largest answer body read from the parent (one item's answer is a few hundred bytes).
 const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+/// How often the connection is checked (`GET /healthz` over it) while it works: calls find
+/// it open, and one the parent closed is replaced within this long even without calls.
+const CHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// Deadline of one check, and of a connection's TCP set-up: opening a connection (TCP, TLS
+/// handshake) happens off the calls' path, so a busy host gets this long rather than a
+/// call's deadline.
+const CHECK_DEADLINE: Duration = Duration::from_secs(10);
+
+/// After a failed check (or a call that found the parent unreachable), the next check comes
+/// after this pause, doubled on each failure up to [`RECONNECT_MAX`].
+const RECONNECT_MIN: Duration = Duration::from_millis(100);
+const RECONNECT_MAX: Duration = Duration::from_secs(2);
+
+/// HTTP/2 pings on the connection, also while idle: one not answered within
+/// [`PING_TIMEOUT`] closes it, so a dead peer is found before a call is spent on it.
+const PING_EVERY: Duration = Duration::from_secs(10);
+const PING_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why the parent gave no answer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -111,6 +136,12 @@ pub struct Parent {
     /// This regional instance as a holder at the parent.
     holder: String,
     next_id: AtomicU64,
+    /// Whether a check has succeeded since start (the instance is ready from then on).
+    reached: AtomicBool,
+    /// Why the last check failed, while none has succeeded yet.
+    last_check_error: Mutex<String>,
+    /// A call found the parent unreachable: check (and reconnect) now.
+    call_failed: Notify,
 }
 
 impl Parent {
@@ -161,15 +192,25 @@ impl Parent {
         };
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
-        http.set_connect_timeout(Some(timeout));
+        // Calls are bounded by their own deadline; a connection being opened for the check
+        // task gets the check's.
+        http.set_connect_timeout(Some(CHECK_DEADLINE.max(timeout)));
         http.enforce_http(false);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls_config)
             .https_or_http()
             .enable_http2()
             .wrap_connector(http);
+        // One connection, kept however long it idles (the checks use it every few seconds
+        // anyway); pings close it when the parent stops answering.
         let client = Client::builder(TokioExecutor::new())
             .http2_only(true)
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(None)
+            .http2_keep_alive_interval(PING_EVERY)
+            .http2_keep_alive_timeout(PING_TIMEOUT)
+            .http2_keep_alive_while_idle(true)
             .build(connector);
         // Ids unique across restarts of this instance: the start time in ns, then a count.
         let start = std::time::SystemTime::now()
@@ -182,7 +223,99 @@ impl Parent {
             timeout,
             holder,
             next_id: AtomicU64::new(start),
+            reached: AtomicBool::new(false),
+            last_check_error: Mutex::new("connecting".into()),
+            call_failed: Notify::new(),
         })
+    }
+
+    /// `Ok` once a check has reached the parent since start; else why not (yet).
+    pub fn reached(&self) -> Result<(), String> {
+        if self.reached.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let why = self
+            .last_check_error
+            .lock()
+            .map(|e| e.clone())
+            .unwrap_or_else(|e| e.into_inner().clone());
+        Err(format!(
+            "the parent limiter {} has not been reached yet: {why}",
+            self.base
+        ))
+    }
+
+    /// Keeps the connection to the parent open, for as long as the instance runs: connects
+    /// at once, checks it every [`CHECK_EVERY`] (which also reconnects after the parent
+    /// closed it), and right away when a call found the parent unreachable; after a failed
+    /// check, tries again with a growing pause.
+    pub async fn keep_connected(&self) {
+        let mut pause = RECONNECT_MIN;
+        let mut failing = false;
+        loop {
+            match self.check().await {
+                Ok(()) => {
+                    if !self.reached.swap(true, Ordering::Relaxed) {
+                        tracing::info!(parent = %self.base, "connected to the parent limiter");
+                    } else if failing {
+                        tracing::info!(parent = %self.base, "connected to the parent limiter again");
+                    }
+                    failing = false;
+                    pause = RECONNECT_MIN;
+                    tokio::select! {
+                        () = tokio::time::sleep(CHECK_EVERY) => {}
+                        () = self.call_failed.notified() => {}
+                    }
+                    // At most one check per pause, however many calls fail.
+                    tokio::time::sleep(RECONNECT_MIN).await;
+                }
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(parent = %self.base, error = %e,
+                            "cannot connect to the parent limiter; retrying in the background");
+                        failing = true;
+                    }
+                    if let Ok(mut last) = self.last_check_error.lock() {
+                        *last = e.to_string();
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(RECONNECT_MAX);
+                }
+            }
+        }
+    }
+
+    /// `GET /healthz` of the parent under [`CHECK_DEADLINE`]: opens the connection if there
+    /// is none (TCP, TLS with this instance's certificate), and proves it carries requests.
+    async fn check(&self) -> Result<(), ParentError> {
+        let request = axum::http::Request::get(format!("{}/healthz", self.base))
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| ParentError::Refused(format!("cannot build the request: {e}")))?;
+        let call = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| ParentError::Unreachable(connect_error(&e)))?;
+            let status = response.status();
+            // Read to the end: the stream is done with before the next check.
+            let _ = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
+                .collect()
+                .await;
+            if status.is_success() {
+                Ok(())
+            } else {
+                Err(ParentError::Unreachable(format!(
+                    "/healthz answered {status}"
+                )))
+            }
+        };
+        match tokio::time::timeout(CHECK_DEADLINE, call).await {
+            Ok(result) => result,
+            Err(_) => Err(ParentError::Unreachable(format!(
+                "/healthz not answered within {CHECK_DEADLINE:?}"
+            ))),
+        }
     }
 
     pub fn holder(&self) -> &str {
@@ -215,7 +348,7 @@ impl Parent {
                 .client
                 .request(request)
                 .await
-                .map_err(|e| ParentError::Unreachable(e.to_string()))?;
+                .map_err(|e| ParentError::Unreachable(connect_error(&e)))?;
             let status = response.status();
             let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
                 .collect()
@@ -231,13 +364,17 @@ impl Parent {
             }
             Ok(body)
         };
-        match tokio::time::timeout(left, call).await {
+        let result = match tokio::time::timeout(left, call).await {
             Ok(result) => result,
             Err(_) => Err(ParentError::Unreachable(format!(
                 "no answer within {:?}",
                 self.timeout
             ))),
+        };
+        if matches!(result, Err(ParentError::Unreachable(_))) {
+            self.call_failed.notify_one();
         }
+        result
     }
 
     /// Asks for a lease of (`policy`, `key`) under id `id`, as holder with `demand_per_s`.
@@ -321,4 +458,17 @@ impl Parent {
             None => Err(ParentError::Unreachable("an answer without items".into())),
         }
     }
+}
+
+/// A client error with its causes (hyper-util's own message is only "client error
+/// (Connect)": the cause says refused, reset, or which TLS check failed).
+fn connect_error(e: &hyper_util::client::legacy::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
