@@ -302,7 +302,7 @@ fn redis_function_matches_core_bucket_math() {
     let redis = rt.block_on(async {
         let s =
             RedisStore::new(&url, &RedisSecurity::default(), prop_settings()).expect("redis store");
-        s.ready().await.expect("redis ready");
+        until_ready(&s, "redis ready").await;
         s
     });
     let cases = std::env::var("PROPTEST_CASES")
@@ -614,7 +614,7 @@ fn redis_functions_match_core_window_math() {
     let redis = rt.block_on(async {
         let s =
             RedisStore::new(&url, &RedisSecurity::default(), prop_settings()).expect("redis store");
-        s.ready().await.expect("redis ready");
+        until_ready(&s, "redis ready").await;
         s
     });
     let cases = std::env::var("PROPTEST_CASES")

@@ -80,6 +80,39 @@ pub fn algorithm(policy: &str) -> Algorithm {
 }
 
 /// A key nobody else in this test run uses: `<prefix>-<pid>-<n>` (a valid one-part key).
+/// How long a test waits for a condition it needs before it can start (a store ready, a
+/// server up, a replica in sync) before failing: generous, since the whole suite runs at once
+/// on a loaded 2-core machine, and a wait that ends early costs nothing.
+pub const WAIT_LIMIT: Duration = Duration::from_secs(60);
+
+/// Retries `attempt` until it succeeds (transient failures: a TLS handshake to every cluster
+/// node can take longer than the client's own deadline on a busy machine), for at most
+/// [`WAIT_LIMIT`]; fails naming `what` and the last error.
+pub async fn eventually<T, E, F>(what: &str, mut attempt: impl FnMut() -> F) -> T
+where
+    E: std::fmt::Debug,
+    F: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = Instant::now() + WAIT_LIMIT;
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match attempt().await {
+            Ok(value) => return value,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "{what}: not within {WAIT_LIMIT:?} ({tries} attempts); last error: {e:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until `store` answers `ready()` (connected, its functions loaded).
+pub async fn until_ready(store: &impl tollgate_limiter::store::Store, what: &str) {
+    eventually(what, || store.ready()).await;
+}
+
 pub fn unique(prefix: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     format!(
@@ -404,7 +437,7 @@ pub fn replica_with(
         env,
         ..RedisOptions::default()
     });
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + WAIT_LIMIT;
     while replica
         .info_field("replication", "master_link_status")
         .as_deref()
@@ -412,7 +445,7 @@ pub fn replica_with(
     {
         assert!(
             Instant::now() < deadline,
-            "replica of {} not synced within 15s: {}",
+            "replica of {} not synced within {WAIT_LIMIT:?}: {}",
             primary.port(),
             replica.info("replication")
         );
@@ -423,7 +456,7 @@ pub fn replica_with(
 
 /// Waits until the replica has applied everything the primary wrote so far.
 pub fn caught_up(primary: &RedisServer, replica: &RedisServer) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + WAIT_LIMIT;
     loop {
         let want = primary.info_field("replication", "master_repl_offset");
         let have = replica.info_field("replication", "slave_repl_offset");
@@ -432,7 +465,7 @@ pub fn caught_up(primary: &RedisServer, replica: &RedisServer) {
         }
         assert!(
             Instant::now() < deadline,
-            "replica not caught up within 10s: primary {want:?}, replica {have:?}"
+            "replica not caught up within {WAIT_LIMIT:?}: primary {want:?}, replica {have:?}"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -476,15 +509,21 @@ pub async fn start(store: StoreConfig) -> Running {
 
 pub async fn start_with(config: ServerConfig) -> Running {
     let running = start_unready(config).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    until_serving(&running).await;
+    running
+}
+
+/// Waits (at most [`WAIT_LIMIT`]) until `/readyz` of `running` answers 200.
+pub async fn until_serving(running: &Running) {
+    let deadline = std::time::Instant::now() + WAIT_LIMIT;
     loop {
         let (status, body) = get(running.addr(), "/readyz").await;
         if status == 200 {
-            return running;
+            return;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "limiter not ready within 15s: {body}"
+            "limiter not ready within {WAIT_LIMIT:?}: {body}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -745,7 +784,7 @@ impl StallProxy {
     /// Waits (bounded) until the client has sent at least `resets` RST_STREAMs and `ends`
     /// complete requests.
     pub async fn wait_for_client(&self, resets: u64, ends: u64) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = std::time::Instant::now() + WAIT_LIMIT;
         loop {
             let (r, e) = self.client_frames();
             if r >= resets && e >= ends {
@@ -753,7 +792,8 @@ impl StallProxy {
             }
             assert!(
                 std::time::Instant::now() < deadline,
-                "the client sent {r} resets and {e} requests, not {resets} and {ends}"
+                "the client sent {r} resets and {e} requests within {WAIT_LIMIT:?}, not \
+                 {resets} and {ends}"
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
