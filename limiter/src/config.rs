@@ -137,7 +137,9 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_LEASE_TTL", default_value = "2s", value_parser = parse_duration)]
     pub lease_ttl: Duration,
 
-    /// How long a lease id is remembered for dedup and returns (longer than --lease-ttl).
+    /// How long a lease id is remembered for dedup and returns: at least --lease-ttl +
+    /// --assignment-period + 1s (a return of what a lease did not spend arrives within about a
+    /// tenth of a second of its expiry); a regional limiter keeps its Envoys' lease ids as long.
     #[arg(long, env = "TOLLGATE_DEDUP_TTL", default_value = "60s", value_parser = parse_duration)]
     pub dedup_ttl: Duration,
 

@@ -23,9 +23,11 @@
 //!
 //! The reservoirs live in this process, bounded by `--regional-keys`: each regional instance
 //! is one holder at the parent, like an Envoy is one holder here. Lease ids of the region's
-//! instances are remembered per reservoir (the last [`RECORDS_PER_KEY`], each for as long as
-//! its lease can still be spent and returned) for replays and returns; a retry that reaches another regional instance is decided anew (under-use of one
-//! lease, never overshoot).
+//! instances are remembered per reservoir (the last [`RECORDS_PER_KEY`], each as long as a
+//! plain limiter remembers a lease id, `--dedup-ttl`) for replays and returns, and a
+//! reservoir is kept while it remembers any; a return the reservoir can no longer hold goes
+//! on to the parent under the parent leases its tokens came from. A retry that reaches another
+//! regional instance is decided anew (under-use of one lease, never overshoot).
 
 pub mod ledger;
 pub mod metrics;
@@ -52,10 +54,6 @@ pub use parent::{ParentError, ParentTls};
 
 /// Lease ids of the region's instances remembered per reservoir.
 pub const RECORDS_PER_KEY: usize = 64;
-
-/// A record outlives its lease (the lease TTL, plus the assignment period of a sub-share) by
-/// this much: the instance returns what is left when it finds the lease expired.
-const RECORD_SLACK_MS: u64 = 1_000;
 
 /// How often reservoirs are swept (expiry, returns, background asks during a partition,
 /// idle reservoirs, gauges). Renewals at a drip's end have their own timer, and an ask that
@@ -135,6 +133,8 @@ struct Record {
     /// Tokens it took: its grant and the whole tokens of its sub-share.
     taken: u64,
     returned: u64,
+    /// The parent leases its tokens came from: a return the reservoir cannot hold goes there.
+    sources: ledger::Sources,
     /// Forgotten from then on.
     until_ms: u64,
 }
@@ -444,7 +444,8 @@ impl Shared {
                         held.insert(id.0.clone(), holds);
                     }
                 }
-                if entry.reservoir.idle(now, IDLE_MS) && !entry.fetching {
+                if entry.reservoir.idle(now, IDLE_MS) && !entry.fetching && entry.records.is_empty()
+                {
                     return false;
                 }
                 let capacity = policies.get(&id.0).map_or(1, |p| p.burst);
@@ -563,12 +564,14 @@ impl Shared {
                     if entry.records.len() >= RECORDS_PER_KEY {
                         entry.records.pop_front();
                     }
-                    let lives = self.terms.lease_ttl_ms + grant.period_ms + RECORD_SLACK_MS;
+                    let lives = self.terms.record_lifetime_ms(grant.period_ms);
+                    let sources = entry.reservoir.take_sources();
                     entry.records.push_back(Record {
                         id: item.id.clone(),
                         grant,
                         taken,
                         returned: 0,
+                        sources,
                         until_ms: now + lives,
                     });
                 }
@@ -599,7 +602,7 @@ impl Shared {
     }
 
     /// An instance gives back unused tokens of a lease of a global policy.
-    fn give_back(&self, item: &ReturnItem) -> ReturnOutcome {
+    fn give_back(self: &Arc<Self>, item: &ReturnItem) -> ReturnOutcome {
         let now = self.clock.now_ms();
         let mut state = self.lock();
         let id: KeyId = (item.policy.clone(), item.key.clone());
@@ -617,12 +620,39 @@ impl Shared {
         };
         let returned = item.unused.min(record.taken - record.returned);
         record.returned += returned;
-        let lost = entry.reservoir.give_back(returned, now);
-        self.metrics.regional_tokens(&id.0, "expired", lost.tokens);
+        // What the reservoir can no longer hold (the leases and drip the tokens came from have
+        // ended) goes on to the parent, under the parent leases it came from.
+        let left = entry.reservoir.give_back(returned, now).tokens;
+        let onward = record.sources.take(left);
+        let lost = left.saturating_sub(onward.iter().map(|(_, n)| n).sum());
+        self.metrics.regional_tokens(&id.0, "expired", lost);
+        drop(state);
+        for (lease_id, tokens) in onward {
+            self.return_to_parent(id.clone(), lease_id, tokens);
+        }
         ReturnOutcome {
             now_ms: now,
             returned,
         }
+    }
+
+    /// Gives `tokens` of parent lease `lease_id` back to the parent in the background.
+    fn return_to_parent(self: &Arc<Self>, id: KeyId, lease_id: String, tokens: u64) {
+        let shared = Arc::clone(self);
+        tokio::spawn(async move {
+            let sent = shared.clock.now_ms();
+            let result = shared
+                .parent
+                .give_back(&lease_id, &id.0, &id.1, tokens)
+                .await;
+            let took = shared.clock.now_ms() - sent;
+            shared.metrics.parent_call("return", outcome(&result), took);
+            let returned = result.unwrap_or(0);
+            shared.metrics.regional_tokens(&id.0, "returned", returned);
+            shared
+                .metrics
+                .regional_tokens(&id.0, "expired", tokens.saturating_sub(returned));
+        });
     }
 }
 

@@ -181,11 +181,14 @@ impl ServerConfig {
                 "--assignment-period must be longer than 0".into(),
             ));
         }
-        if self.assignment_period >= self.dedup_ttl {
+        let slack = Duration::from_millis(crate::region::ledger::RETURN_SLACK_MS);
+        if self.dedup_ttl < self.lease_ttl + self.assignment_period + slack {
             return Err(StartError::Config(format!(
-                "--assignment-period ({:?}) must be shorter than --dedup-ttl ({:?}): an \
-                 assignment's lease id must be remembered while it runs",
-                self.assignment_period, self.dedup_ttl
+                "--dedup-ttl ({:?}) must be at least --lease-ttl ({:?}) + --assignment-period \
+                 ({:?}) + {slack:?}: a lease id (an assignment's is spent for the TTL plus the \
+                 period) must be remembered until its holder's return of what it did not spend \
+                 has arrived",
+                self.dedup_ttl, self.lease_ttl, self.assignment_period
             )));
         }
         if self.store_timeout.is_zero() {
@@ -316,6 +319,8 @@ fn regional_store(
         period_ms: settings.assignment_period_ms,
         // Half the parent's deadline, at least 50 ms: more than a round trip to it.
         renew_lead_ms: (parent_timeout_ms / 2).max(50),
+        // Lease ids of the region's Envoys are remembered as long as a plain limiter does.
+        remember_ms: settings.dedup_ttl_ms,
     };
     let region_metrics = RegionMetrics::new(metrics.registry())?;
     Ok(RegionalStore::new(
@@ -578,10 +583,11 @@ mod tests {
         c.assignment_period = Duration::ZERO;
         let e = c.check().unwrap_err().to_string();
         assert!(e.contains("--assignment-period"), "{e}");
-        c.assignment_period = c.dedup_ttl;
+        // A lease id outlives what its lease can be spent (TTL + period) by the return slack.
+        c.assignment_period = c.dedup_ttl - c.lease_ttl;
         let e = c.check().unwrap_err().to_string();
-        assert!(e.contains("shorter than --dedup-ttl"), "{e}");
-        c.assignment_period = c.dedup_ttl - Duration::from_millis(1);
+        assert!(e.contains("--dedup-ttl"), "{e}");
+        c.assignment_period = c.dedup_ttl - c.lease_ttl - Duration::from_secs(1);
         assert!(c.check().is_ok());
     }
 }

@@ -22,6 +22,11 @@
 //!   before the parent's holding ends ([`Terms::renew_lead_ms`]), every sub-assignment ends
 //!   by then, and the region renews then.
 //!
+//! A late return is not refused while it can arrive: the region remembers each lease it
+//! hands out, with the parent leases its tokens came from ([`Sources`]), for as long as a
+//! plain limiter remembers a lease id ([`Terms::record_lifetime_ms`]); tokens returned when
+//! the reservoir holds nothing live any more go on to the parent under those ids.
+//!
 //! The tests (`ledger/tests.rs`) drive random asks, returns and parent answers against a
 //! model of instances that spend everything they are given as soon as they may, and check
 //! that they never spend more than the parent gave.
@@ -44,6 +49,11 @@ const WANT_HORIZON_MS: f64 = 1_000.0;
 /// Below this much of its demand (in ms), the region refills in the background.
 const LOW_WATER_MS: f64 = 500.0;
 
+/// A lease id handed to an instance is remembered at least this long after its lease can no
+/// longer be spent (its TTL, plus the period of a sub-share): the instance's return of an
+/// expired lease comes from its periodic tick, within a fraction of this.
+pub const RETURN_SLACK_MS: u64 = 1_000;
+
 /// Terms the region gives its instances.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Terms {
@@ -57,6 +67,64 @@ pub struct Terms {
     /// to whichever region asks first after the end. It must exceed the round trip to the
     /// parent; the parent takes back the rest of the old share, so nothing is lost.
     pub renew_lead_ms: u64,
+    /// How long a lease id handed to an instance is remembered, for replays and returns: the
+    /// limiter's `--dedup-ttl`, what a plain limiter keeps a lease id for (at least the
+    /// lease's life plus [`RETURN_SLACK_MS`], see [`Terms::record_lifetime_ms`]).
+    pub remember_ms: u64,
+}
+
+impl Terms {
+    /// How long the record of a lease with a sub-share of `period_ms` (0: none) is kept after
+    /// it is handed out: `remember_ms`, and never less than the lease can be spent plus
+    /// [`RETURN_SLACK_MS`], so the instance's return of what it did not spend is taken.
+    pub fn record_lifetime_ms(&self, period_ms: u64) -> u64 {
+        let spendable = self.lease_ttl_ms.saturating_add(period_ms);
+        self.remember_ms
+            .max(spendable.saturating_add(RETURN_SLACK_MS))
+    }
+}
+
+/// Where the tokens of a lease handed to an instance came from: the parent's lease ids, and
+/// how many each gave. What the instance returns when the reservoir holds nothing live any
+/// more goes back to the parent under these ids (the parent takes back at most what each of
+/// its leases gave, so the split only has to be right in total).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Sources(Vec<(String, u64)>);
+
+impl Sources {
+    fn add(&mut self, id: &str, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        match self.0.iter_mut().find(|(source, _)| source == id) {
+            Some((_, n)) => *n = n.saturating_add(tokens),
+            None => self.0.push((id.to_owned(), tokens)),
+        }
+    }
+
+    /// Takes `tokens` out of the sources, most recent source first: (parent lease id, tokens)
+    /// to give back to the parent. Less than `tokens` in all if the sources hold less.
+    pub fn take(&mut self, mut tokens: u64) -> Vec<(String, u64)> {
+        let mut out = Vec::new();
+        for (id, n) in self.0.iter_mut().rev() {
+            if tokens == 0 {
+                break;
+            }
+            let part = tokens.min(*n);
+            if part > 0 {
+                *n -= part;
+                tokens -= part;
+                out.push((id.clone(), part));
+            }
+        }
+        self.0.retain(|(_, n)| *n > 0);
+        out
+    }
+
+    /// Tokens the sources still account for.
+    pub fn total(&self) -> u64 {
+        self.0.iter().map(|(_, n)| *n).sum()
+    }
 }
 
 /// One instance's ask (as validated by the service).
@@ -165,6 +233,8 @@ pub struct Reservoir {
     parent_wait_until_ms: u64,
     /// Last time an instance asked.
     pub last_ask_ms: u64,
+    /// Where the last decided ask's tokens came from ([`Reservoir::take_sources`]).
+    drawn: Sources,
 }
 
 impl Reservoir {
@@ -273,12 +343,14 @@ impl Reservoir {
                 h.left -= part;
                 n -= part;
                 earliest = Some(earliest.map_or(h.expires_ms, |e: u64| e.min(h.expires_ms)));
+                self.drawn.add(&h.id, part);
             }
         }
         // Spent leases stay until they expire: returned tokens may go back into them.
         if n > 0 {
             if let Some(drip) = &mut self.drip {
                 drip.given += n as f64;
+                self.drawn.add(&drip.id, n);
             }
         }
         earliest
@@ -319,6 +391,7 @@ impl Reservoir {
     /// Decides an instance's ask at `now_ms` (after [`Reservoir::expire`]); `remaining` is
     /// what the reservoir can still hand out.
     pub fn ask(&mut self, ask: Ask<'_>, now_ms: u64, terms: Terms) -> Answer {
+        self.drawn = Sources::default();
         match self.decide(ask, now_ms, terms) {
             Answer::Decided(mut grant) => {
                 grant.remaining = self.spendable(now_ms) as f64;
@@ -390,6 +463,10 @@ impl Reservoir {
                     h.share_per_ms = share;
                     h.ends_ms = now_ms + period_ms;
                     d.given += share * period_ms as f64;
+                    let whole = (share * period_ms as f64).floor();
+                    if whole >= 1.0 {
+                        self.drawn.add(&d.id, whole as u64);
+                    }
                 }
             }
         }
@@ -408,9 +485,15 @@ impl Reservoir {
         Answer::Decided(grant(granted, expires, share, period_ms, 0))
     }
 
+    /// Where the tokens of the last decided ask came from (its answer's [`Sources`]).
+    pub fn take_sources(&mut self) -> Sources {
+        std::mem::take(&mut self.drawn)
+    }
+
     /// Takes back `unused` tokens an instance returns: into the lease that expires first (no
-    /// later than any the tokens can have come from), else into the running drip; with
-    /// neither, they are lost (counted as expired).
+    /// later than any the tokens can have come from), else into the running drip. With
+    /// neither, the reservoir cannot hold them: they are returned as not taken (the caller
+    /// gives them back to the parent under the lease's [`Sources`]).
     pub fn give_back(&mut self, unused: u64, now_ms: u64) -> Expired {
         if unused == 0 {
             return Expired::default();

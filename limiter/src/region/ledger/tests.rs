@@ -5,6 +5,7 @@ const TERMS: Terms = Terms {
     lease_ttl_ms: 2_000,
     period_ms: 1_000,
     renew_lead_ms: 0,
+    remember_ms: 60_000,
 };
 
 fn ask(min: u64, want: u64, holder: &str, demand_per_s: f64) -> Ask<'_> {
@@ -141,6 +142,66 @@ fn returns_go_back_into_a_live_lease_or_are_lost() {
     r.expire(1_000, TERMS);
     assert_eq!(r.give_back(3, 1_000), Expired { tokens: 3 });
     assert!(r.idle(5_000, 1_000));
+}
+
+#[test]
+fn a_lease_id_is_remembered_as_long_as_a_plain_limiter_does_and_past_its_return() {
+    // The limiter's --dedup-ttl (60 s by default) is what a plain limiter keeps an id for.
+    assert_eq!(TERMS.record_lifetime_ms(0), 60_000);
+    assert_eq!(TERMS.record_lifetime_ms(1_000), 60_000);
+    // Never shorter than the lease can be spent (TTL, plus a sub-share's period) plus the
+    // time its holder's tick takes to return what it did not spend.
+    let short = Terms {
+        remember_ms: 0,
+        ..TERMS
+    };
+    assert_eq!(short.record_lifetime_ms(0), 2_000 + RETURN_SLACK_MS);
+    assert_eq!(short.record_lifetime_ms(1_000), 3_000 + RETURN_SLACK_MS);
+    assert!(TERMS.record_lifetime_ms(1_000) > TERMS.lease_ttl_ms + 1_000 + RETURN_SLACK_MS);
+}
+
+#[test]
+fn an_answer_says_which_parent_leases_its_tokens_came_from() {
+    let mut r = Reservoir::default();
+    r.receive("late", &lease(5, 3_000), 0, 0, TERMS);
+    r.receive("early", &lease(5, 1_000), 0, 0, TERMS);
+    let g = decided(r.ask(ask(7, 7, "a", 1.0), 10, TERMS));
+    assert_eq!(g.granted, 7);
+    let mut sources = r.take_sources();
+    assert_eq!(sources.total(), 7);
+    assert_eq!(r.take_sources(), Sources::default(), "taken once");
+    // Both leases expire; the instance's late return of 6 cannot go into the reservoir: it
+    // goes to the parent, most recent source first, never more than each gave.
+    r.expire(3_000, TERMS);
+    assert_eq!(r.give_back(6, 3_000), Expired { tokens: 6 });
+    assert_eq!(
+        sources.take(6),
+        vec![("late".to_owned(), 2), ("early".to_owned(), 4)]
+    );
+    assert_eq!(sources.take(5), vec![("early".to_owned(), 1)]);
+    assert_eq!(sources.total(), 0);
+    // A denial draws nothing.
+    let _ = r.ask(ask(1, 1, "a", 1.0), 3_000, TERMS);
+    assert_eq!(r.take_sources().total(), 0);
+}
+
+#[test]
+fn a_sub_share_draws_on_the_region_drip() {
+    let mut r = Reservoir::default();
+    let share = Received {
+        granted: 0,
+        expires_ms: 3_000,
+        share_per_ms: 0.05,
+        period_ms: 1_000,
+        retry_after_ms: 0,
+    };
+    r.receive("assignment", &share, 0, 0, TERMS);
+    let g = decided(r.ask(ask(1, 100, "a", 100.0), 0, TERMS));
+    assert!(g.share_per_ms > 0.0);
+    let whole = (g.share_per_ms * g.period_ms as f64).floor() as u64;
+    let sources = r.take_sources();
+    assert_eq!(sources.total(), g.granted + whole);
+    assert!(whole > 0);
 }
 
 /// One step of a random history.
