@@ -166,6 +166,9 @@ pub struct Metrics {
     version_mismatch: Option<u32>,
     waiting_deadline: Option<u32>,
     callouts_retried: Option<u32>,
+    /// Hooks of the native build that panicked (caught; the request took its policies'
+    /// failure mode). A panic in the wasm build ends the VM instead, so it stays 0 there.
+    panics: Option<u32>,
 }
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
@@ -265,6 +268,7 @@ impl Metrics {
             version_mismatch: counter("tollgate_policy_version_mismatch"),
             waiting_deadline: counter("tollgate_wait_deadline_passed"),
             callouts_retried: counter("tollgate_callout_retries"),
+            panics: counter("tollgate_panics"),
         }
     }
 
@@ -383,6 +387,23 @@ impl Metrics {
 
     pub fn deadline_passed(&self) {
         bump(self.waiting_deadline, 1);
+    }
+
+    /// A caught panic, and what the failure modes of the policies the request matched made of
+    /// it (`FailOpen` / `FailClosed` each).
+    pub fn panicked(&self, outcomes: &[(usize, Outcome)]) {
+        bump(self.panics, 1);
+        for (index, outcome) in outcomes {
+            if let Some(c) = self.policies.get(*index) {
+                bump(
+                    match outcome {
+                        Outcome::FailClosed => c.fail_closed,
+                        _ => c.fail_open,
+                    },
+                    1,
+                );
+            }
+        }
     }
 }
 

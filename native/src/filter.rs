@@ -6,12 +6,13 @@ use crate::config::{lock, now_ms, MainHost, NativeConfig, Outcome, Parked, Share
 use crate::shared::ProcessSharedData;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use tollgate::engine::Engine;
+use tollgate::engine::{when_table_fails, Engine, Outcome as PolicyOutcome};
 use tollgate::metrics::Metrics;
 use tollgate::request::RequestSource;
 use tollgate::stream::{Flow, Instance, Stream, StreamHost};
 use tollgate::worker::Worker;
-use tollgate_core::response::LocalReply;
+use tollgate_core::policy::authority_host;
+use tollgate_core::response::{self, LocalReply};
 
 /// Request ids of the process (the worker holds requests by id).
 static NEXT_ID: AtomicU32 = AtomicU32::new(1);
@@ -103,6 +104,66 @@ impl NativeFilter {
         // A request the worker let go no longer needs its scheduler.
         let (view, _) = parts(&self.config, self.stream.id, envoy);
         view.with_worker(|_| ());
+    }
+}
+
+/// What a request gets when a hook deciding it panicked (the panic was caught): the failure
+/// mode of the policies whose match (hosts, routes) it meets, as when the table fails. A
+/// policy in `closed` mode, or in `local` mode whose `then` is `closed`, answers 503 with the
+/// unavailable body; `open` (or `local` then `open`, or a shadow policy) lets it on; the
+/// strictest decides. `local` takes its `then` at once: its fallback budget lives in the
+/// engine that just panicked. A request no policy matches goes on.
+pub fn after_panic(config: &NativeConfig, envoy: FilterEnvoyPtr) -> Flow {
+    let request = Request { envoy };
+    let text = |name: &str| {
+        request
+            .header(name)
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+            .unwrap_or_default()
+    };
+    let (host, method, path) = (
+        authority_host(&text(":authority")),
+        text(":method"),
+        text(":path"),
+    );
+    let policies = &config.engine.policies.policies;
+    let outcomes: Vec<(usize, PolicyOutcome)> = policies
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.match_request(&host, &method, &path).is_some())
+        .map(|(index, p)| (index, when_table_fails(p)))
+        .collect();
+    config.metrics.panicked(&outcomes);
+    let closed = outcomes
+        .iter()
+        .find(|(_, outcome)| *outcome == PolicyOutcome::FailClosed)
+        .and_then(|(index, _)| policies.get(*index));
+    match closed {
+        Some(policy) => {
+            request.send_reply(&response::limiter_unavailable(&policy.name));
+            Flow::Pause
+        }
+        None => Flow::Continue,
+    }
+}
+
+/// The last resort when even [`after_panic`] panicked: the request is refused (503, the
+/// unavailable body without a policy name), never let through unlimited.
+pub fn refuse_after_panic(envoy: FilterEnvoyPtr) -> Flow {
+    Request { envoy }.send_reply(&response::limiter_unavailable(""));
+    Flow::Pause
+}
+
+/// Test builds only (feature `panic-injection`): a hook panics when the request's
+/// `x-tollgate-panic` header names it (`request_headers`, `request_body`, `request_trailers`),
+/// so the end-to-end suite can check what a caught panic does. Production builds have no
+/// such header.
+#[cfg(feature = "panic-injection")]
+#[allow(clippy::panic)]
+pub fn inject_panic(envoy: FilterEnvoyPtr, hook: &str) {
+    let request = Request { envoy };
+    if request.header("x-tollgate-panic").as_deref() == Some(hook.as_bytes()) {
+        panic!("panic injected in {hook}");
     }
 }
 

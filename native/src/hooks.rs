@@ -1,6 +1,10 @@
 //! The event hooks Envoy calls, by the names of the ABI. Each runs its body under
-//! `catch_unwind`: a panic (there is none on purpose) becomes a logged error and a safe
-//! default, never an unwind into Envoy's C++ frames.
+//! `catch_unwind`: a panic (there is none on purpose) becomes a logged error, never an unwind
+//! into Envoy's C++ frames. A panic in a hook that decides a request (request headers, body,
+//! trailers) takes the failure mode of the policies the request matches (`filter::after_panic`:
+//! `closed` answers 503, `open` lets it on), never "unlimited", and counts in `tollgate_panics`
+//! and the policies' `fail_open` / `fail_closed`; elsewhere (the response, the stream end, the
+//! configuration's events) there is nothing left to decide and the hook does nothing more.
 //!
 //! Pointers: a configuration is an `Arc<NativeConfig>` handed to Envoy with `into_raw` and
 //! taken back at `config_destroy`; a filter is a `Box<NativeFilter>` taken back at `destroy`.
@@ -9,7 +13,7 @@
 
 use crate::abi::{self, ConfigEnvoyPtr, EnvoyBuffer, EnvoyHttpHeader, FilterEnvoyPtr};
 use crate::config::{callout_answer, NativeConfig};
-use crate::filter::NativeFilter;
+use crate::filter::{self, NativeFilter};
 use crate::stats;
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -20,7 +24,7 @@ fn guard<T>(default: T, body: impl FnOnce() -> T) -> T {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(value) => value,
         Err(_) => {
-            ::log::error!("a tollgate hook panicked; the request takes the safe default");
+            ::log::error!("a tollgate hook panicked (caught); it returns its default");
             default
         }
     }
@@ -52,8 +56,28 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
             abi::CALLBACKS.len(),
             abi_version()
         );
-        abi::ABI_VERSION.as_ptr().cast()
+        reported_abi_version()
     })
+}
+
+/// The ABI version string handed to Envoy: [`abi::ABI_VERSION`]; in a test build
+/// (feature `panic-injection`) `$TOLLGATE_TEST_ABI_VERSION` when set, so the end-to-end
+/// suite can show what Envoy does with a version that is not its own.
+fn reported_abi_version() -> *const c_char {
+    #[cfg(feature = "panic-injection")]
+    {
+        static TEST_VERSION: std::sync::OnceLock<Option<std::ffi::CString>> =
+            std::sync::OnceLock::new();
+        let test_version = TEST_VERSION.get_or_init(|| {
+            std::env::var("TOLLGATE_TEST_ABI_VERSION")
+                .ok()
+                .and_then(|v| std::ffi::CString::new(v).ok())
+        });
+        if let Some(version) = test_version {
+            return version.as_ptr();
+        }
+    }
+    abi::ABI_VERSION.as_ptr().cast()
 }
 
 fn abi_version() -> &'static str {
@@ -205,6 +229,51 @@ unsafe fn on_filter<T: Copy>(
     })
 }
 
+/// Runs the decision of hook `hook` on the filter; a panic gives the request its policies'
+/// failure mode ([`filter::after_panic`]).
+///
+/// # Safety
+/// As for [`filter_mut`]; `envoy` is this filter's Envoy pointer, in its own hook.
+unsafe fn decide(
+    ptr: *const c_void,
+    envoy: FilterEnvoyPtr,
+    hook: &str,
+    body: impl FnOnce(&mut NativeFilter) -> Flow,
+) -> Flow {
+    let decided = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: the caller's guarantee.
+        match unsafe { filter_mut(ptr) } {
+            Some(filter) => {
+                stats::enter(filter.config.envoy.0);
+                #[cfg(feature = "panic-injection")]
+                filter::inject_panic(envoy, hook);
+                body(filter)
+            }
+            None => Flow::Continue,
+        }
+    }));
+    if let Ok(flow) = decided {
+        return flow;
+    }
+    ::log::error!(
+        "the tollgate {hook} hook panicked; the request takes its policies' failure mode"
+    );
+    let failed = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: the caller's guarantee (the filter outlives its hooks, a panic or not).
+        match unsafe { filter_mut(ptr) } {
+            Some(f) => {
+                stats::enter(f.config.envoy.0);
+                filter::after_panic(&f.config, envoy)
+            }
+            None => filter::refuse_after_panic(envoy),
+        }
+    }));
+    failed.unwrap_or_else(|_| {
+        ::log::error!("applying the failure mode panicked too; the request is refused");
+        catch_unwind(|| filter::refuse_after_panic(envoy)).unwrap_or(Flow::Pause)
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     envoy: FilterEnvoyPtr,
@@ -212,13 +281,14 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> u32 {
     // SAFETY: Envoy passes this filter's pointers.
-    unsafe {
-        on_filter(ptr, abi::HEADERS_CONTINUE, |f| {
-            match f.on_request_headers(envoy, end_of_stream) {
-                Flow::Continue => abi::HEADERS_CONTINUE,
-                Flow::Pause => abi::HEADERS_STOP_ITERATION,
-            }
+    let flow = unsafe {
+        decide(ptr, envoy, "request_headers", |f| {
+            f.on_request_headers(envoy, end_of_stream)
         })
+    };
+    match flow {
+        Flow::Continue => abi::HEADERS_CONTINUE,
+        Flow::Pause => abi::HEADERS_STOP_ITERATION,
     }
 }
 
@@ -229,13 +299,14 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     end_of_stream: bool,
 ) -> u32 {
     // SAFETY: Envoy passes this filter's pointers.
-    unsafe {
-        on_filter(ptr, abi::BODY_CONTINUE, |f| {
-            match f.on_request_body(envoy, end_of_stream) {
-                Flow::Continue => abi::BODY_CONTINUE,
-                Flow::Pause => abi::BODY_STOP_ITERATION_AND_BUFFER,
-            }
+    let flow = unsafe {
+        decide(ptr, envoy, "request_body", |f| {
+            f.on_request_body(envoy, end_of_stream)
         })
+    };
+    match flow {
+        Flow::Continue => abi::BODY_CONTINUE,
+        Flow::Pause => abi::BODY_STOP_ITERATION_AND_BUFFER,
     }
 }
 
@@ -245,13 +316,14 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
     ptr: *const c_void,
 ) -> u32 {
     // SAFETY: Envoy passes this filter's pointers.
-    unsafe {
-        on_filter(ptr, abi::TRAILERS_CONTINUE, |f| {
-            match f.on_request_trailers(envoy) {
-                Flow::Continue => abi::TRAILERS_CONTINUE,
-                Flow::Pause => abi::TRAILERS_STOP_ITERATION,
-            }
+    let flow = unsafe {
+        decide(ptr, envoy, "request_trailers", |f| {
+            f.on_request_trailers(envoy)
         })
+    };
+    match flow {
+        Flow::Continue => abi::TRAILERS_CONTINUE,
+        Flow::Pause => abi::TRAILERS_STOP_ITERATION,
     }
 }
 

@@ -85,6 +85,50 @@ pub fn native_dir() -> std::path::PathBuf {
     dir
 }
 
+/// `libtollgate_native.so` built with the test-only feature `panic-injection` (a request
+/// header makes a hook panic; `$TOLLGATE_TEST_ABI_VERSION` replaces the ABI version it reports),
+/// in a target directory of its own (`target/panic-injection`) so it never replaces the
+/// production module; built first if missing or stale. Without LTO, to build faster: a test
+/// build, unwinding like the production one.
+pub fn panic_injection_module() -> std::path::PathBuf {
+    let target = paths::target_dir().join("panic-injection");
+    let target_arg = target.to_string_lossy().into_owned();
+    paths::cargo_build(&[
+        "--profile",
+        "native",
+        "-p",
+        "tollgate-native",
+        "--features",
+        "panic-injection",
+        "--config",
+        "profile.native.lto=false",
+        "--config",
+        "profile.native.codegen-units=16",
+        "--target-dir",
+        &target_arg,
+    ]);
+    let module = target.join("native").join("libtollgate_native.so");
+    assert!(module.is_file(), "{} was not built", module.display());
+    module
+}
+
+/// The native build's config `native` (from [`native_config`]) loading the module at `module`
+/// by its path instead of by name from the search path.
+pub fn with_module_file(native: &str, module: &std::path::Path) -> String {
+    let line = native
+        .lines()
+        .find(|l| l.trim() == "name: tollgate_native")
+        .expect("the config loads no module named tollgate_native");
+    let indent = &line[..line.len() - line.trim_start().len()];
+    native.replace(
+        line,
+        &format!(
+            "{indent}module:\n{indent}  local:\n{indent}    filename: {}",
+            module.display()
+        ),
+    )
+}
+
 /// Runs end-to-end tests against both builds: each named test function takes a [`Build`];
 /// modules `wasm` and `native` each get a test of that name calling it with their build.
 /// Async tests run on a two-thread runtime, like the suites' other tests.
