@@ -6,6 +6,18 @@
 //! are exercised by the end-to-end suites, which run against both builds. The module refuses to
 //! start when one of [`CALLBACKS`] is missing (see `hooks.rs`).
 //!
+//! Across Envoy versions: Envoy 1.40's loader (`newDynamicModule`,
+//! `source/extensions/dynamic_modules/dynamic_modules.cc`) refuses a module only when
+//! `envoy_dynamic_module_on_program_init` returns null; it compares the returned string with
+//! its own `ENVOY_DYNAMIC_MODULES_ABI_VERSION` just to log "matched" or warn "is deprecated",
+//! and loads the module either way (`tests/tests/native_panic.rs` shows it with a test build
+//! reporting other versions). The compatibility promise is `abi.h`'s: the minor version goes
+//! up with every ABI change in a release cycle, a released ABI is not broken, and before v1.0
+//! backward compatibility reaches only the next minor (v0.1.y works with v0.2.x, not v0.3.x):
+//! this module (v0.2.0) is covered on hosts of ABI v0.2.x and v0.3.x, not older or v0.4+. The
+//! module cannot read the host's ABI version (Envoy exports no symbol for it); its own check is
+//! that every callback it calls exists by name, which does not catch a changed argument list.
+//!
 //! Bumping Envoy: read the new `abi.h`, compare every declaration below (argument order,
 //! by-value buffer structs, enum values), update [`ABI_VERSION`] to its
 //! `ENVOY_DYNAMIC_MODULES_ABI_VERSION`, and run the tests (`tests/tests/native_module.rs`
