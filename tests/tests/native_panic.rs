@@ -39,6 +39,14 @@ const POLICY: &str = r#"{
       "rate": { "units": 1, "per": "1h" },
       "burst": 3,
       "on_unavailable": { "mode": "open" }
+    },
+    {
+      "name": "uploads",
+      "match": { "routes": ["POST /upload/{id}"] },
+      "key": [{ "header": "x-tenant-id" }],
+      "rate": { "units": 1, "per": "1h" },
+      "burst": 3,
+      "on_unavailable": { "mode": "local", "share": 0.5, "stale_ttl": "30s", "then": "closed" }
     }
   ]
 }"#;
@@ -101,17 +109,31 @@ async fn a_caught_panic_takes_the_policys_failure_mode() {
     .await;
     assert_eq!(unmatched.status, 200, "{}", unmatched.body);
 
+    // A panic at the request body (the headers went on): `local` then `closed` refuses, as
+    // `closed` does (the fallback budget is the panicked engine's).
+    let upload = send(
+        port,
+        RequestSpec::post("/upload/1", "x".repeat(4096))
+            .header("x-tenant-id", "acme")
+            .header("x-tollgate-panic", "request_body"),
+    )
+    .await;
+    assert_eq!(upload.status, 503, "{}", upload.body);
+    assert_eq!(upload.body, limiter_unavailable("uploads").body);
+
     wait_for("the panics counted", Duration::from_secs(30), || {
-        (panics(&envoy) >= 3).then_some(())
+        (panics(&envoy) >= 4).then_some(())
     })
     .unwrap();
-    assert_eq!(panics(&envoy), 3);
+    assert_eq!(panics(&envoy), 4);
+    assert_eq!(policy_metric(&envoy, "fail_closed", "uploads"), 1);
     assert_eq!(policy_metric(&envoy, "fail_closed", "strict"), 1);
     assert_eq!(policy_metric(&envoy, "fail_open", "lenient"), 1);
     assert_eq!(policy_metric(&envoy, "fail_open", "strict"), 0);
     assert_eq!(policy_metric(&envoy, "fail_closed", "lenient"), 0);
     let logs = envoy.logs();
     assert!(logs.contains("panic injected in request_headers"), "{logs}");
+    assert!(logs.contains("panic injected in request_body"), "{logs}");
     assert!(
         logs.contains("the tollgate request_headers hook panicked"),
         "{logs}"
@@ -124,7 +146,7 @@ async fn a_caught_panic_takes_the_policys_failure_mode() {
         statuses.push(send(port, item(&format!("/closed/{i}"))).await.status);
     }
     assert_eq!(statuses, [200, 200, 200, 429, 429]);
-    assert_eq!(panics(&envoy), 3);
+    assert_eq!(panics(&envoy), 4);
     assert!(envoy.is_running());
 }
 
