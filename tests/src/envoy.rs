@@ -51,7 +51,7 @@ impl Default for EnvoyOptions {
             name: String::new(),
             log_level: "info".into(),
             extra_args: Vec::new(),
-            startup_timeout: Duration::from_secs(20),
+            startup_timeout: process::STARTUP_DEADLINE,
         }
     }
 }

@@ -58,8 +58,12 @@ pub fn spawn_tied(mut cmd: Command) -> io::Result<Child> {
         .send((cmd, reply_tx))
         .map_err(|_| io::Error::other("spawner thread is gone"))?;
     reply_rx
-        .recv_timeout(Duration::from_secs(30))
-        .map_err(|_| io::Error::other("spawner thread did not answer within 30s"))?
+        .recv_timeout(STARTUP_DEADLINE)
+        .map_err(|_| {
+            io::Error::other(format!(
+                "spawner thread did not answer within {STARTUP_DEADLINE:?}"
+            ))
+        })?
 }
 
 /// Run a short-lived command to completion, capturing its output, killing it at `timeout`.
@@ -106,6 +110,12 @@ pub fn output_with_timeout(mut cmd: Command, timeout: Duration) -> io::Result<Ou
         stderr: err_reader.join().unwrap_or_default(),
     })
 }
+
+/// How long the harness waits for a process it started to be up (an Envoy live, a
+/// redis-server answering, a cluster healthy, a limiter listening): generous, because the
+/// whole suite (many test binaries, each starting Envoys, Redis servers and limiters) runs at
+/// once on a loaded 2-core machine, and a wait that ends early costs nothing.
+pub const STARTUP_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Poll `check` until it returns `Some`, at most `timeout`. Backs off from 5 ms to 100 ms.
 pub fn wait_for<T>(

@@ -31,8 +31,8 @@ use crate::process::{self, ChildProcess};
 
 /// Default timeout for one command.
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
-const STARTUP_TIMEOUT: Duration = Duration::from_secs(10);
-const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
+const STARTUP_TIMEOUT: Duration = process::STARTUP_DEADLINE;
+const CLUSTER_TIMEOUT: Duration = process::STARTUP_DEADLINE;
 
 // ---------------------------------------------------------------------------------------
 // RESP

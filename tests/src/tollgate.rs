@@ -121,7 +121,7 @@ impl Limiter {
         // /healthz alone could come from whatever else took the port (an Envoy listener of
         // another test, which proxies anything to its upstream), and callouts would go there.
         let listening = format!("127.0.0.1:{port}");
-        let ready = process::wait_for("limiter /healthz", Duration::from_secs(15), || {
+        let ready = process::wait_for("limiter /healthz", process::STARTUP_DEADLINE, || {
             if !process.is_running() {
                 return Some(false);
             }
@@ -217,6 +217,33 @@ impl Limiter {
 
     pub fn logs(&self) -> String {
         format!("{}{}", self.process.stdout(), self.process.stderr())
+    }
+
+    /// Waits until `/readyz` answers 200 (its store answers; a regional limiter has reached
+    /// its parent), at most [`process::STARTUP_DEADLINE`]; panics with the last answer and
+    /// the log's tail.
+    pub fn wait_ready(&self) {
+        let mut last = String::new();
+        let ready = process::wait_for("limiter /readyz", process::STARTUP_DEADLINE, || {
+            match http_blocking::get(self.admin_port(), "/readyz", Duration::from_secs(5)) {
+                Ok(r) if r.status == 200 => Some(()),
+                Ok(r) => {
+                    last = format!("{} {}", r.status, r.body);
+                    None
+                }
+                Err(e) => {
+                    last = e.to_string();
+                    None
+                }
+            }
+        });
+        if let Err(e) = ready {
+            panic!(
+                "limiter on port {} not ready: {e}; last /readyz: {last}\n{}",
+                self.port,
+                process::tail(&self.logs(), 30)
+            );
+        }
     }
 
     /// `GET /metrics` text.

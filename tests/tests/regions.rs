@@ -144,6 +144,8 @@ impl Region {
                 "400ms",
             ],
         );
+        // Ready: its Redis answers and it has reached the parent.
+        limiter.wait_ready();
         let envoy = Envoy::start(
             EnvoyOptions::new(envoy_config(
                 "envoy/global.yaml",
@@ -194,6 +196,7 @@ impl Fleet {
     async fn start(policy: &str) -> Fleet {
         let parent_redis = RedisServer::start();
         let parent = Limiter::start(policy, Store::Redis(parent_redis.url()), &[]);
+        parent.wait_ready();
         let upstream = Upstream::start();
         let link_b = Link::start(parent.port()).await;
         let a = Region::start("region-a", policy, parent.port(), &upstream);
@@ -567,6 +570,15 @@ fn lease_from(limiter: &Limiter, key: &str) -> (u16, u64) {
     }
 }
 
+/// A regional limiter that cannot reach its parent is not ready, and `/readyz` says why.
+fn assert_unready_for_the_parent(limiter: &Limiter) {
+    let r =
+        tollgate_e2e::http_blocking::get(limiter.admin_port(), "/readyz", Duration::from_secs(5))
+            .expect("/readyz answers");
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("has not been reached"), "{}", r.body);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_region_leases_from_its_parent_over_mutual_tls() {
     use tollgate_e2e::mtls::MtlsSetup;
@@ -588,8 +600,10 @@ async fn a_region_leases_from_its_parent_over_mutual_tls() {
         Limiter::start(&policy, Store::Memory, &args)
     };
 
-    // With its client certificate: leases come from the parent.
+    // With its client certificate: ready once it has reached the parent (the connection is
+    // made at start, off any lease's deadline), then leases come from the parent.
     let trusted = region(&["--parent-cert", &cert, "--parent-key", &key]);
+    trusted.wait_ready();
     assert_eq!(lease_from(&trusted, "t1"), (200, 3));
     assert!(
         prometheus_value(
@@ -601,6 +615,7 @@ async fn a_region_leases_from_its_parent_over_mutual_tls() {
     // Without one, the parent refuses the handshake: the key is UNAVAILABLE (its failure
     // mode in an Envoy), within the parent deadline, and the parent counts the refusal.
     let anonymous = region(&[]);
+    assert_unready_for_the_parent(&anonymous);
     let started = Instant::now();
     let (status, _) = lease_from(&anonymous, "t2");
     assert_eq!(status, 503);
@@ -630,6 +645,7 @@ async fn a_region_leases_from_its_parent_over_mutual_tls() {
     ];
     args.extend_from_slice(&["--parent-cert", &cert, "--parent-key", &key]);
     let untrusting = Limiter::start(&policy, Store::Memory, &args);
+    assert_unready_for_the_parent(&untrusting);
     assert_eq!(lease_from(&untrusting, "t3").0, 503);
     assert!(
         prometheus_value(
