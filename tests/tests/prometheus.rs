@@ -42,7 +42,14 @@ const RULES: &str = "deploy/prometheus/tollgate-rules.yaml";
 const DASHBOARD: &str = "dashboards/tollgate.json";
 /// How long any one alert may take to fire once its fault is there (scrape 1 s, evaluation
 /// 1 s, `for: 1s`: a few seconds; the rest is slack for a loaded machine).
-const ALERT_WAIT: Duration = Duration::from_secs(30);
+const ALERT_WAIT: Duration = Duration::from_secs(60);
+/// How long a target may take to be scraped, or a scraped value to reach what the traffic
+/// made it (scrape every second; the rest is slack for a loaded machine).
+const SCRAPE_WAIT: Duration = Duration::from_secs(60);
+/// How long a dashboard query or recording rule may take to have series once the traffic it
+/// is about goes on (a rate over 1m needs two samples of a counter that moved; the store's
+/// execution statistics are sampled every 5 s): a few seconds; the rest is slack.
+const QUERY_WAIT: Duration = Duration::from_secs(90);
 
 /// Slots of the shared table: split between the six policies, about 40 each, so `crowded`'s
 /// 160 hour-long tenants cannot all get one.
@@ -128,7 +135,7 @@ impl Prometheus {
                 .arg(format!("--web.listen-address=127.0.0.1:{port}"))
                 .arg("--log.level=warn");
             let mut process = ChildProcess::spawn("prometheus", cmd, dir).unwrap();
-            let ready = process::wait_for("prometheus /-/ready", Duration::from_secs(30), || {
+            let ready = process::wait_for("prometheus /-/ready", process::STARTUP_DEADLINE, || {
                 if !process.is_running() {
                     return Some(false);
                 }
@@ -197,11 +204,9 @@ impl Prometheus {
     /// Waits until `job`'s target has been scraped successfully (`up == 1`).
     fn wait_up(&self, job: &str) {
         let expr = format!("up{{job=\"{job}\"}}");
-        process::wait_for(
-            &format!("Prometheus to scrape {job}"),
-            Duration::from_secs(20),
-            || (self.scalar(&expr) == Some(1.0)).then_some(()),
-        )
+        process::wait_for(&format!("Prometheus to scrape {job}"), SCRAPE_WAIT, || {
+            (self.scalar(&expr) == Some(1.0)).then_some(())
+        })
         .unwrap_or_else(|e| panic!("{e}; targets: {:?}", self.api("targets")));
     }
 
@@ -209,7 +214,7 @@ impl Prometheus {
     fn wait_value(&self, expr: &str, at_least: f64) {
         process::wait_for(
             &format!("Prometheus to see {expr} >= {at_least}"),
-            Duration::from_secs(20),
+            SCRAPE_WAIT,
             || self.scalar(expr).filter(|v| *v >= at_least),
         )
         .unwrap_or_else(|e| panic!("{e}; last {:?}", self.scalar(expr)));
@@ -409,6 +414,8 @@ async fn dashboard_queries_and_alerts_against_a_real_prometheus() {
             "500ms",
         ],
     );
+    limiter.wait_ready();
+    regional.wait_ready();
     let upstream = MeteredUpstream::start();
     let config = envoy_config(
         "envoy/global.yaml",
@@ -463,8 +470,8 @@ async fn dashboard_queries_and_alerts_against_a_real_prometheus() {
         .contains("tollgate_limiter_returns_total{")
     {
         assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "no lease returned within 15 s:\n{}",
+            start.elapsed() < SCRAPE_WAIT,
+            "no lease returned within {SCRAPE_WAIT:?}:\n{}",
             limiter.metrics()
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -571,7 +578,12 @@ async fn dashboard_queries_and_alerts_against_a_real_prometheus() {
     .await;
     fired.push(("TollgateParentUnreachable", t));
     limiter.restart();
+    limiter.wait_ready();
     prom.wait_up("tollgate-limiter");
+    // The drift is mended: the restarted limiter reloads the filter's document (its reload
+    // counter, like all its series, starts again with this process).
+    std::fs::write(&changed, policy_document("crowded")).unwrap();
+    std::fs::rename(&changed, limiter.policies_path()).unwrap();
 
     // --- Fault: more live keys than the shared table holds -----------------------------------
     not_firing_yet(&prom, &["TollgateSharedTableFull"]);
@@ -600,29 +612,49 @@ async fn dashboard_queries_and_alerts_against_a_real_prometheus() {
     fired.push(("TollgateRedisErrors", t));
 
     // --- Every dashboard query and recording rule, with all of the above scraped --------------
+    // Redis is back and traffic goes on, so the queries about normal operation have samples in
+    // their window too (the restarted limiter's series start with it; a rate needs two samples
+    // with calls between them, and the store's execution time is sampled every 5 s): one
+    // tenant's leases (granted, expired and returned with settled units), and a regional
+    // lease. Each query must answer with series at least once; one that has none yet is asked
+    // again, with more traffic, until QUERY_WAIT.
+    redis.restart();
+    let queries = dashboard_queries();
+    let mut pending: Vec<(String, String)> = queries.clone();
+    pending.extend(records.iter().map(|r| (r.clone(), r.clone())));
     let mut failures = Vec::new();
     let mut zero = Vec::new();
-    let queries = dashboard_queries();
-    for (what, expr) in &queries {
-        match prom.query(expr) {
-            Ok(series) if series.is_empty() => failures.push(format!("{what}: no series: {expr}")),
-            Ok(series) => {
-                let all_zero = series
-                    .iter()
-                    .all(|s| matches!(s["value"][1].as_str(), Some("0") | Some("NaN")));
-                if all_zero {
-                    zero.push(what.clone());
+    let waiting = Instant::now();
+    let mut n = 0;
+    loop {
+        n += 1;
+        send(port, chat("acme", 5)).await;
+        regional_lease(&regional, &format!("regional-after-{n}"));
+        failures.clear();
+        let mut still = Vec::new();
+        for (what, expr) in pending {
+            match prom.query(&expr) {
+                Ok(series) if series.is_empty() => {
+                    failures.push(format!("{what}: no series within {QUERY_WAIT:?}: {expr}"));
+                    still.push((what, expr));
                 }
+                Ok(series) => {
+                    let all_zero = series
+                        .iter()
+                        .all(|s| matches!(s["value"][1].as_str(), Some("0") | Some("NaN")));
+                    if all_zero && what != expr {
+                        zero.push(what.clone());
+                    }
+                }
+                // A query Prometheus refuses will not get better by waiting.
+                Err(e) => panic!("{what}: {e}: {expr}"),
             }
-            Err(e) => failures.push(format!("{what}: {e}: {expr}")),
         }
-    }
-    for record in &records {
-        match prom.query(record) {
-            Ok(series) if series.is_empty() => failures.push(format!("{record}: no series")),
-            Ok(_) => {}
-            Err(e) => failures.push(format!("{record}: {e}")),
+        pending = still;
+        if pending.is_empty() || waiting.elapsed() >= QUERY_WAIT {
+            break;
         }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     assert!(
         failures.is_empty(),
