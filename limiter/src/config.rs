@@ -69,6 +69,13 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_TLS_RELOAD_EVERY", default_value = "10s", value_parser = parse_duration)]
     pub tls_reload_every: Duration,
 
+    /// Allow the lease listener in plaintext on an address other than loopback. Anyone who can
+    /// reach a plaintext lease port can lease from (and drain) any budget: only for a port that
+    /// something else guards, e.g. a mesh sidecar with strict mutual TLS. Without it (and
+    /// without --tls-cert) the limiter refuses to start on such an address.
+    #[arg(long, env = "TOLLGATE_INSECURE_PLAINTEXT", conflicts_with = "tls_cert")]
+    pub insecure_plaintext: bool,
+
     /// Also serve /healthz, /readyz, /metrics and /v1/hot-keys (nothing else) in plaintext on
     /// this address, for probes, scrapers and operators without a client certificate.
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN")]
@@ -332,6 +339,7 @@ impl Cli {
         ServerConfig {
             listen: self.listen,
             tls,
+            insecure_plaintext: self.insecure_plaintext,
             admin_listen: self.admin_listen,
             store,
             redis_security: self.redis_security(std::env::var_os(PASSWORD_ENV)),
@@ -464,6 +472,19 @@ mod tests {
         ] {
             assert!(parse(partial).is_err(), "{partial:?} accepted");
         }
+    }
+
+    #[test]
+    fn insecure_plaintext_is_an_explicit_flag_that_excludes_tls() {
+        let base = ["tollgate-limiter", "--policies", "p.json"];
+        let parse = |more: &[&str]| {
+            Cli::try_parse_from(base.iter().chain(more.iter()).copied())
+                .map(|cli| cli.server_config())
+        };
+        assert!(!parse(&[]).unwrap().insecure_plaintext);
+        assert!(parse(&["--insecure-plaintext"]).unwrap().insecure_plaintext);
+        let tls = ["--tls-cert", "c", "--tls-key", "k", "--tls-client-ca", "ca"];
+        assert!(parse(&[&tls[..], &["--insecure-plaintext"][..]].concat()).is_err());
     }
 
     #[test]

@@ -118,6 +118,10 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// The lease listener over mutual TLS; `None`: plaintext.
     pub tls: Option<TlsSettings>,
+    /// The operator's explicit consent to a plaintext lease listener on an address other than
+    /// loopback (`--insecure-plaintext`): something else must guard the port, e.g. a mesh
+    /// sidecar with strict mutual TLS. Without it such a start is refused.
+    pub insecure_plaintext: bool,
     /// A plaintext listener for `/healthz`, `/readyz`, `/metrics` and `/v1/hot-keys` only.
     pub admin_listen: Option<SocketAddr>,
     pub store: StoreConfig,
@@ -149,6 +153,7 @@ impl ServerConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8081)),
             tls: None,
+            insecure_plaintext: false,
             admin_listen: None,
             store: StoreConfig::Memory,
             redis_security: RedisSecurity::default(),
@@ -164,6 +169,17 @@ impl ServerConfig {
     }
 
     fn check(&self) -> Result<(), StartError> {
+        if self.tls.is_none() && !is_loopback(self.listen) && !self.insecure_plaintext {
+            return Err(StartError::Config(format!(
+                "refusing to serve the lease listener in plaintext on {}, which is not a \
+                 loopback address: anyone who can reach it could lease from (and drain) any \
+                 budget. Serve it over mutual TLS with --tls-cert, --tls-key and \
+                 --tls-client-ca, or, where something else guards the port (a mesh sidecar \
+                 with strict mutual TLS), say so with --insecure-plaintext \
+                 (TOLLGATE_INSECURE_PLAINTEXT=true)",
+                self.listen
+            )));
+        }
         if self.lease_ttl.is_zero() {
             return Err(StartError::Config(
                 "--lease-ttl must be longer than 0".into(),
@@ -223,6 +239,12 @@ impl ServerConfig {
             lease_ttl_ms: ms(self.lease_ttl),
         }
     }
+}
+
+/// A loopback address (an IPv4-mapped IPv6 one included): plaintext there reaches only this
+/// host.
+fn is_loopback(addr: SocketAddr) -> bool {
+    addr.ip().to_canonical().is_loopback()
 }
 
 /// Why a limiter did not start.
@@ -415,11 +437,12 @@ async fn serve_with_store<S: Store>(
             Some(acceptor)
         }
         None => {
-            if !addr.ip().is_loopback() {
+            // Only with --insecure-plaintext (`check` refuses it otherwise).
+            if !is_loopback(addr) {
                 tracing::warn!(%addr,
-                    "the lease listener is plaintext on a non-loopback address: anyone who \
-                     can reach it can lease from (and drain) any budget; serve it over TLS \
-                     with --tls-cert, --tls-key and --tls-client-ca");
+                    "the lease listener is plaintext on a non-loopback address \
+                     (--insecure-plaintext): anyone who can reach it can lease from (and \
+                     drain) any budget unless something else guards the port");
             }
             None
         }

@@ -613,6 +613,12 @@ fn the_lease_listener_requires_client_certificates_and_redis_is_tls() {
     ] {
         let d = deployment(&resources);
         let c = container(d);
+        // TLS, so no consent to a plaintext lease port (the binary refuses the two together).
+        assert_eq!(
+            setting(c, "--insecure-plaintext", "TOLLGATE_INSECURE_PLAINTEXT"),
+            None,
+            "{name}"
+        );
         // Mutual TLS: the listener's certificate and key, and the CA that signs the callers'
         // certificates, each a key of its example Secret, mounted as files.
         for (flag, var, secret) in [
@@ -1035,6 +1041,18 @@ fn istio_overlay_runs_the_limiter_plaintext_behind_the_sidecar() {
                 "{name}: the limiter must listen in plaintext behind its sidecar: {e}"
             );
         }
+        // ...on the pod address, which the limiter refuses without explicit consent.
+        assert_eq!(
+            setting(c, "--insecure-plaintext", "TOLLGATE_INSECURE_PLAINTEXT").as_deref(),
+            Some("true"),
+            "{name}: a plaintext lease port on 0.0.0.0 needs the operator's explicit consent"
+        );
+        assert!(
+            !setting(c, "--listen", "TOLLGATE_LISTEN")
+                .unwrap()
+                .starts_with("127."),
+            "{name}: the sidecar forwards to the pod address"
+        );
         let secrets: BTreeSet<&str> = field(d, "spec.template.spec.volumes")
             .as_array()
             .unwrap()
