@@ -15,6 +15,30 @@
 //! * **Sliding log**: the time of every admitted unit in the last window; exact for any rolling
 //!   window, state proportional to the limit (bounded by [`MAX_LOG_LIMIT`]).
 //!
+//! **Leases** (the global stage: an instance is granted units now and spends them until the
+//! lease expires, on its own). A leased unit must count for as long as it may be spent, not
+//! from the grant, or a unit granted at `g` and spent just before its expiry escapes every
+//! rolling window that the log checked at `g`.
+//!
+//! * Fixed window and sliding window counter: a lease expires at the end of the window it was
+//!   counted in, so every leased unit is spent in its own window and the bounds above hold as
+//!   they are (at most `limit` per fixed window, at most `2 × limit` in any rolling one; the
+//!   counter's `limit + previous × elapsed / window`). The instance must measure the expiry
+//!   from when it asked, not from when the answer came, so it never spends into the next
+//!   window.
+//! * Sliding log: a lease expires at the end of the current slot of the window's grid
+//!   (`⌊now / window⌋`, like a fixed window) and its units are entered in the log at that
+//!   time, so each stays in the log from the grant until a window after its lease expired:
+//!   whenever it is spent, every rolling window holding its spending also holds its entry, and
+//!   any rolling window holds at most `limit` units spent. The grid (rather than a lease
+//!   length counted from each grant) keeps the expiries of two leases of one slot equal, so an
+//!   instance adding a new lease's units to an unspent rest never lets the older units outlive
+//!   their own entries. The price is throughput: a leased unit holds budget for between one
+//!   and two windows (its lease's rest of the slot, plus a window), so a fully leased log
+//!   admits between `limit` per two windows and `limit` per window, and units an instance
+//!   leaves unspent are stranded until a window after their slot ended (a lease granted late
+//!   in a slot is short).
+//!
 //! Invariants (property-tested in `tests/window_props.rs`): counts never negative and never
 //! above the limit, time that moves backwards counts in the newest window seen (it neither
 //! starts a new window nor expires anything), an admitted cost is counted once, a denial
@@ -262,11 +286,19 @@ impl Log {
         }
     }
 
-    fn record(&mut self, units: u64) {
-        // Trimmed at `seen_ms`, which no entry is newer than: appending keeps the order.
-        for _ in 0..units {
-            self.times.push(self.seen_ms);
-        }
+    /// Enters `units` units at `at_ms`, keeping the log in time order (a lease's units are
+    /// entered at its expiry, later than units taken since).
+    fn record(&mut self, units: u64, at_ms: u64) {
+        let at = self.times.partition_point(|t| *t <= at_ms);
+        let units = usize::try_from(units).unwrap_or(usize::MAX);
+        self.times
+            .splice(at..at, std::iter::repeat(at_ms).take(units));
+    }
+
+    /// When a lease granted now expires and its units are entered: the end of the window-grid
+    /// slot the log's clock is in (see the module's notes on leases).
+    pub fn lease_end_ms(&self, w: &Window) -> u64 {
+        w.end_ms(w.index(self.seen_ms))
     }
 
     /// Counts `cost` units at `now_ms` if they fit in the rolling window.
@@ -274,7 +306,7 @@ impl Log {
         self.trim(w, now_ms);
         let used = self.times.len() as u64;
         if used.saturating_add(cost) <= w.limit {
-            self.record(cost);
+            self.record(cost, self.seen_ms);
             Decision::Allowed {
                 remaining: (w.limit - used - cost) as f64,
             }
@@ -286,27 +318,32 @@ impl Log {
         }
     }
 
-    /// Leases at least `min`, at most `want` units, counted at `now_ms`; the lease lasts a
-    /// window (its units leave the log a window after the grant whether spent or not).
+    /// Leases at least `min`, at most `want` units. The lease expires at the end of the current
+    /// slot of the window's grid ([`Log::lease_end_ms`]: `expires_ms` from `now_ms`) and its
+    /// units are entered in the log at that time: they count from the grant until a window
+    /// after the lease expired, whenever the instance spends them.
     pub fn lease(&mut self, w: &Window, now_ms: u64, min: u64, want: u64) -> WindowGrant {
         self.trim(w, now_ms);
         let min = min.max(1);
         let room = w.limit.saturating_sub(self.times.len() as u64);
+        let ends_ms = self.lease_end_ms(w);
+        // After `seen_ms` >= `now_ms`, so at least 1.
+        let expires_ms = ends_ms.saturating_sub(now_ms).max(1);
         if room < min {
             return WindowGrant {
                 granted: 0,
                 remaining: room as f64,
                 retry_after_ms: self.wait_ms(w, now_ms, min),
-                expires_ms: w.window_ms,
+                expires_ms,
             };
         }
         let granted = want.max(min).min(room);
-        self.record(granted);
+        self.record(granted, ends_ms);
         WindowGrant {
             granted,
             remaining: (room - granted) as f64,
             retry_after_ms: 0,
-            expires_ms: w.window_ms,
+            expires_ms,
         }
     }
 }
@@ -414,5 +451,32 @@ mod tests {
         assert_eq!(log.lease(&w(), 0, 4, 6).granted, 6);
         assert_eq!(log.lease(&w(), 10, 5, 6).granted, 0);
         assert_eq!(log.lease(&w(), 10, 4, 6).granted, 4);
+    }
+
+    #[test]
+    fn a_leased_unit_counts_until_a_window_after_its_lease_expires() {
+        let mut log = Log::default();
+        // Granted at 250: the lease ends with the grid slot, at 1,000, where its units are
+        // entered; they leave the log at 2,000, a window after the last moment they may be
+        // spent (a unit spent at 999 counts against every window up to 1,998).
+        let g = log.lease(&w(), 250, 1, 6);
+        assert_eq!((g.granted, g.expires_ms), (6, 750));
+        assert_eq!(log.times, vec![1_000; 6]);
+        // A unit taken meanwhile is entered before them (the log stays in time order).
+        assert!(log.take(&w(), 400, 1).is_allowed());
+        assert_eq!(log.times.first(), Some(&400));
+        // Another lease of the slot ends with the first one.
+        assert_eq!(log.lease(&w(), 900, 1, 3).expires_ms, 100);
+        assert_eq!(log.times.len(), 10);
+        // Full until the unit of 400 leaves (1,400), then until the leased ones leave at 2,000.
+        let d = log.lease(&w(), 1_000, 1, 1);
+        assert_eq!((d.granted, d.retry_after_ms), (0, 400));
+        assert_eq!(log.lease(&w(), 1_400, 1, 5).granted, 1);
+        let d = log.lease(&w(), 1_999, 1, 1);
+        assert_eq!((d.granted, d.retry_after_ms), (0, 1));
+        // At 2,000 the nine entered at 1,000 leave; what was leased at 1,400 stays until 3,000.
+        let g = log.lease(&w(), 2_000, 1, 20);
+        assert_eq!((g.granted, g.expires_ms), (9, 1_000));
+        assert_eq!(log.idle_at_ms(&w()), 4_000);
     }
 }

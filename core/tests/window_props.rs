@@ -156,6 +156,91 @@ proptest! {
         prop_assert!(busiest(&w, &admitted) <= w.limit);
     }
 
+    /// A fixed window's or sliding window counter's lease ends with its window: units spent
+    /// up to its last millisecond stay in the window they were counted in, so the documented
+    /// bounds hold for spending as they do for counting (at most the limit per fixed window,
+    /// at most twice it in any rolling window).
+    #[test]
+    fn counter_leases_spent_late_keep_their_bounds(
+        w in window(),
+        kind in prop_oneof![Just(CounterKind::Fixed), Just(CounterKind::Sliding)],
+        ops in prop::collection::vec(
+            (0u64..300, op(), prop::collection::vec(0u64..=1_000, 12)),
+            1..150,
+        ),
+    ) {
+        let mut state: Option<Counters> = None;
+        let mut now = 10_000u64;
+        let mut spent: Vec<(u64, u64)> = Vec::new();
+        for (dt, op, when) in &ops {
+            now += dt;
+            match *op {
+                Op::Take(cost) => {
+                    let (next, d) = take(kind, &w, state, now, cost);
+                    state = Some(next);
+                    if d.is_allowed() {
+                        spent.push((now, cost));
+                    }
+                }
+                Op::Lease(min, want) => {
+                    let (next, g) = lease(kind, &w, state, now, min, want);
+                    state = Some(next);
+                    prop_assert!(now + g.expires_ms <= w.end_ms(w.index(now)));
+                    for unit in 0..g.granted {
+                        let share = when[usize::try_from(unit).unwrap() % when.len()];
+                        spent.push((now + (g.expires_ms - 1) * share / 1_000, 1));
+                    }
+                }
+            }
+        }
+        if kind == CounterKind::Fixed {
+            for (t, _) in &spent {
+                let index = t / w.window_ms;
+                let in_window: u64 = spent.iter().filter(|(s, _)| s / w.window_ms == index).map(|(_, u)| u).sum();
+                prop_assert!(in_window <= w.limit);
+            }
+        }
+        prop_assert!(busiest(&w, &spent) <= 2 * w.limit);
+    }
+
+    /// Leased units are spent when the instance likes, up to the lease's last millisecond,
+    /// mixed with units taken directly: every rolling window still holds at most the limit.
+    #[test]
+    fn sliding_log_leases_spent_late_stay_exact(
+        w in window(),
+        ops in prop::collection::vec(
+            (0u64..300, op(), prop::collection::vec(0u64..=1_000, 12)),
+            1..150,
+        ),
+    ) {
+        let mut log = Log::default();
+        let mut now = 10_000u64;
+        let mut spent: Vec<(u64, u64)> = Vec::new();
+        for (dt, op, when) in &ops {
+            now += dt;
+            match *op {
+                Op::Take(cost) => {
+                    if log.take(&w, now, cost).is_allowed() {
+                        spent.push((now, cost));
+                    }
+                }
+                Op::Lease(min, want) => {
+                    let g = log.lease(&w, now, min, want);
+                    prop_assert!(g.expires_ms >= 1);
+                    prop_assert!(now + g.expires_ms <= log.lease_end_ms(&w));
+                    // Each unit at its own moment of the lease, the last millisecond included.
+                    for unit in 0..g.granted {
+                        let share = when[usize::try_from(unit).unwrap() % when.len()];
+                        spent.push((now + (g.expires_ms - 1) * share / 1_000, 1));
+                    }
+                }
+            }
+            prop_assert!(log.times.len() as u64 <= w.limit);
+            prop_assert!(log.times.windows(2).all(|p| p[0] <= p[1]), "log out of order");
+        }
+        prop_assert!(busiest(&w, &spent) <= w.limit, "{} in a window of {:?}", busiest(&w, &spent), w);
+    }
+
     #[test]
     fn idle_state_equals_a_fresh_one(
         w in window(),

@@ -757,32 +757,39 @@ mod cases {
         }
     }
 
-    /// A sliding log frees each unit exactly one window after it was counted: a denial waits
-    /// for the oldest units `min` needs gone.
+    /// A sliding log's lease ends with the window-grid slot it was granted in, and its units
+    /// count until a window after that (the instance may spend them until the lease ends), not
+    /// a window after the grant: a denial waits for them, then they are freed at once.
     pub async fn a_sliding_log_frees_units_a_window_after_them(s: &impl Store) {
         let w = early_in_a_window(s, "log").await;
         let k = unique("log");
         let mut model = Model::of("log");
         let (t1, g) = window_lease(s, &mut model, lease("a", "log", &k, 4, 4)).await;
-        assert_eq!((g.granted, g.expires_ms), (4, Some(w.window_ms)));
+        let ends = w.end_ms(w.index(t1));
+        assert_eq!((g.granted, g.expires_ms), (4, Some(ends - t1)));
         tokio::time::sleep(Duration::from_millis(40)).await;
         let (t2, g) = window_lease(s, &mut model, lease("b", "log", &k, 6, 6)).await;
-        assert_eq!(g.granted, 6);
-        let (t3, d) = window_lease(s, &mut model, lease("c", "log", &k, 4, 4)).await;
-        assert_eq!(d.granted, 0, "{d:?}");
-        assert!(t3 < t1 + w.window_ms, "stalled past the window");
-        assert_eq!(
-            d.retry_after_ms,
-            t1 + w.window_ms - t3,
-            "the first 4 leave at t1 + w"
+        assert!(t2 < ends, "stalled past the slot");
+        assert_eq!((g.granted, g.expires_ms), (6, Some(ends - t2)), "same end");
+        past_the_window(&g, &w).await;
+        let (t3, d) = window_lease(s, &mut model, lease("c", "log", &k, 1, 1)).await;
+        assert!(
+            t3 >= ends && t3 < ends + w.window_ms,
+            "stalled past the window"
         );
+        assert_eq!(
+            d.granted, 0,
+            "leased units count a window after their lease: {d:?}"
+        );
+        assert_eq!(d.retry_after_ms, ends + w.window_ms - t3, "{d:?}");
         tokio::time::sleep(Duration::from_millis(d.retry_after_ms)).await;
-        let (t4, g) = window_lease(s, &mut model, lease("d", "log", &k, 4, 4)).await;
-        assert_eq!(g.granted, 4, "freed at {}, asked at {t4}", t1 + w.window_ms);
-        let (t5, d) = window_lease(s, &mut model, lease("e", "log", &k, 1, 1)).await;
-        if t5 < t2 + w.window_ms {
-            assert_eq!(d.retry_after_ms, t2 + w.window_ms - t5, "{d:?}");
-        }
+        let (t4, g) = window_lease(s, &mut model, lease("d", "log", &k, 10, 10)).await;
+        assert_eq!(
+            g.granted,
+            10,
+            "freed at {}, asked at {t4}",
+            ends + w.window_ms
+        );
     }
 
     /// A window's lease id is applied once: a repeat answers the original grant with what is
@@ -1273,18 +1280,21 @@ async fn redis_windows_keep_their_state_under_their_own_keys() {
     assert_eq!(units.len(), 10, "{units:?}");
     let members: std::collections::HashSet<&str> = units.iter().step_by(2).copied().collect();
     assert_eq!(members.len(), 5, "unique members: {units:?}");
+    // Leased units are entered when their lease ends (the end of the day), and count a
+    // window after that.
+    let end = (now / day + 1) * day;
     assert!(
         units
             .iter()
             .skip(1)
             .step_by(2)
-            .all(|t| *t == now.to_string()),
+            .all(|t| *t == end.to_string()),
         "{units:?}"
     );
     let seen = log_seen_key(&state);
     assert_eq!(redis.cmd(&["GET", &seen]).as_int(), Some(now as i64));
     for key in [&state, &seen] {
-        assert_pttl(redis, key, day + WINDOW_TTL_MARGIN_MS, called);
+        assert_pttl(redis, key, end + day - now + WINDOW_TTL_MARGIN_MS, called);
     }
 }
 
@@ -1347,8 +1357,8 @@ async fn redis_windows_count_on_the_newest_time_seen() {
     assert_eq!(g.retry_after_ms, core.retry_after_ms, "{g:?}");
 
     // A log that has seen 5 s ahead: a unit 5.1 s old by it has left (by this clock it would
-    // not have), a unit logged now is logged at the time it has seen, and units still in
-    // its window count.
+    // not have), a unit leased now is leased at the time it has seen (and entered at the end
+    // of that time's slot), and units still in its window count.
     let item = lease("l", "log", &k, 1, 10);
     let state = item.state_key();
     let seen = now() + 5_000;
@@ -1392,10 +1402,11 @@ async fn redis_windows_count_on_the_newest_time_seen() {
         .step_by(2)
         .map(|t| t.parse().unwrap())
         .collect();
+    let ends = log.lease_end_ms(&w);
     assert_eq!(
         scores,
-        vec![seen; 10],
-        "logged at the time it has seen, not before"
+        [vec![seen; 7], vec![ends; 3]].concat(),
+        "leased at the time it has seen, entered when that lease ends, not before"
     );
     let (_, d) = decide(&s, lease("l2", "log", &k, 1, 1)).await;
     assert_eq!(

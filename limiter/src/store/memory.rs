@@ -582,7 +582,10 @@ impl MemoryStore {
                     }
                 }
                 // A window's lease takes nothing returnable (`taken` 0): its units count as
-                // used in their window.
+                // used in their window (a log's, from the grant until a window after the
+                // lease ends: core's `Log::lease`), spent or not. Nothing unspent comes back:
+                // a return could only shorten that, and would have to tell the units the
+                // instance never spent from the ones it did.
                 Decided::Window(grant, at) => {
                     let t = &windows[at];
                     let (granted, remaining) = if apply {
@@ -931,11 +934,12 @@ mod tests {
                 .grants[0];
             assert_eq!(d.granted, 0, "{algorithm:?}: {d:?}");
             // Counted in window 1,000: fixed 1,001,000 and sliding 1,001,100 from the clock
-            // that went back; the log from the newest time it saw, 1,000,900 + 1 s.
+            // that went back; the log from the newest time it saw, 1,000,900: its leased
+            // units were entered at the end of their lease, 1,001,000, and leave 1 s later.
             let retry = match algorithm {
                 Algorithm::FixedWindow(_) => 1_300,
                 Algorithm::SlidingWindow(_) => 1_400,
-                _ => 1_000,
+                _ => 1_100,
             };
             assert_eq!(d.retry_after_ms, retry, "{algorithm:?}: {d:?}");
             let (state, ttl) = store
@@ -944,8 +948,9 @@ mod tests {
             match state {
                 WindowState::Log(log) => {
                     assert_eq!(log.seen_ms, 1_000_900);
-                    // Empty a window after its units (1,001,900), plus the margin.
-                    assert_eq!(ttl, 2_200 + 1_000);
+                    assert_eq!(log.times, vec![1_001_000; 10]);
+                    // Empty a window after its units (1,002,000), plus the margin.
+                    assert_eq!(ttl, 2_300 + 1_000);
                 }
                 WindowState::Counters(c) => assert_eq!(c.window, 1_000, "{algorithm:?}"),
             }

@@ -34,7 +34,10 @@
 --   window          p = the count of the window before it }; expires the margin after the
 --                 end of the window after w (two windows).
 --   sliding log   <state> = sorted set of the units counted in the last window: score =
---                 the time (ms) they were counted at, member = "<time>:<n>" (unique);
+--                 the time (ms) they count from (a leased unit: when its lease expires, the
+--                 end of the window-grid slot it was granted in, so it counts until a window
+--                 after the instance may last spend it), member = "<time>:l<n>", n = 1, 2, ...
+--                 among the units of that time (unique: units of one time leave together);
 --                 <state>:seen = string: the newest time the log has seen (it counts on
 --                 that clock: a clock that went back neither drops units early nor logs one
 --                 before a unit it holds); both expire the margin after the newest unit
@@ -405,7 +408,7 @@ local function counter_room(kind, limit, wms, c, now)
   return room
 end
 
--- core: Log::wait_ms on log `w` (its stored units, then the ones this call added at `seen`).
+-- core: Log::wait_ms on log `w` (its stored units, then the ones this call added at `ends`).
 local function log_wait(w, cost)
   local keep = w.limit - cost
   if keep < 0 then
@@ -415,7 +418,7 @@ local function log_wait(w, cost)
   if must_leave < 1 then
     return 1
   end
-  local t = w.seen
+  local t = w.ends
   if must_leave <= w.stored then
     -- The must_leave-th oldest unit (0-based index must_leave - 1).
     local r = redis.call('ZRANGE', w.key, must_leave - 1, must_leave - 1, 'WITHSCORES')
@@ -433,13 +436,17 @@ end
 local function read_window(kind, key, limit, wms, now)
   local w = { kind = kind, key = key, limit = limit, wms = wms }
   if kind == 'sliding_log' then
-    -- core: Log::trim (the log's clock never goes back; a unit counts for one window).
+    -- core: Log::trim (the log's clock never goes back; a unit counts for one window from
+    -- its time).
     local seen = tonumber(redis.call('GET', key .. LOG_SEEN_SUFFIX)) or 0
     if now > seen then
       seen = now
     end
     redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(seen - wms))
     w.seen = seen
+    -- core: Log::lease_end_ms (a lease granted now ends, and its units are entered, at the
+    -- end of the window-grid slot of the log's clock: later than every stored unit).
+    w.ends = window_end(wms, math.floor(seen / wms))
     w.stored = redis.call('ZCARD', key)
     w.added = 0
     return w
@@ -475,12 +482,17 @@ local function window_lease(w, now, min, want)
     if room < 0 then
       room = 0
     end
+    -- `ends` is past `seen` >= `now`: at least 1.
+    local expires = w.ends - now
+    if expires < 1 then
+      expires = 1
+    end
     if room < min then
-      return 0, room, log_wait(w, min), w.wms
+      return 0, room, log_wait(w, min), expires
     end
     local granted = math.min(math.max(want, min), room)
     w.added = w.added + granted
-    return granted, room - granted, 0, w.wms
+    return granted, room - granted, 0, expires
   end
   local c = w.c
   local room = counter_room(w.kind, w.limit, w.wms, c, now)
@@ -532,15 +544,17 @@ local function write_window(w, now, apply)
       redis.call('DEL', key, key .. LOG_SEEN_SUFFIX)
       return
     end
-    local last = w.seen
+    local last = w.ends
     if added > 0 then
-      -- Members "<time>:<n>": every unit at `seen`, which no stored unit is newer than, and
-      -- n past the count of the log (no unit at `seen` was trimmed since it was counted).
+      -- Members "<time>:l<n>": every unit at `ends`, which no stored unit is newer than, and
+      -- n past the units already at `ends` (they are trimmed all at once, never some of
+      -- them, so theirs are 1..count).
+      local at = fmt(w.ends)
+      local before = redis.call('ZCOUNT', key, at, at)
       local args = {}
-      local at = fmt(w.seen)
       for j = 1, added do
         args[#args + 1] = at
-        args[#args + 1] = at .. ':' .. fmt(w.stored + j)
+        args[#args + 1] = at .. ':l' .. fmt(before + j)
       end
       redis.call('ZADD', key, unpack(args))
     else
@@ -605,7 +619,9 @@ end
 --   Returns { now_ms, then 7 per item: granted (integer), remaining (text),
 --             retry_after_ms (text), replayed (0|1), share_per_ms (text),
 --             period_ms (integer), expires_ms (integer: a window's lease, how long from
---             now it may be spent, 0 once its window ended; -1 for a bucket's) }.
+--             now it may be spent, 0 once it ended: a fixed or sliding window's at the end of
+--             its window, a sliding log's at the end of the window-grid slot it was granted
+--             in, when its units were entered in the log; -1 for a bucket's) }.
 local function lease_fn(keys, args)
   local n = #keys / 2
   if n < 1 or n ~= math.floor(n) or #args ~= 3 + 8 * n then
