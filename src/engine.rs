@@ -129,6 +129,9 @@ pub struct LeaseNeed {
     pub demand_per_s: f64,
     /// A request waits for it (else it is a background refill, renewal or recovery probe).
     pub blocking: bool,
+    /// When it was asked for (no later than its callout is sent): a window's lease expires
+    /// measured from then (`global::apply_grant`).
+    pub asked_ms: u64,
 }
 
 /// Unspent tokens of an expired lease to give back.
@@ -282,8 +285,13 @@ impl Engine {
         fresh: bool,
     ) -> Result<(), TableError> {
         let policy = self.policies.policies.get(need.policy);
+        let at = global::GrantTimes {
+            now_ms,
+            asked_ms: need.asked_ms,
+            windowed: policy.is_some_and(|p| p.algorithm.window().is_some()),
+        };
         self.table.update(store, &need.bucket_id, now_ms, |record| {
-            global::apply_grant(record, grant, seq, now_ms, fresh);
+            global::apply_grant(record, grant, seq, at, fresh);
             global::pay_debt(&mut record.lease);
             if let Some(policy) = policy {
                 commit::mark_evictable(record, policy, now_ms);

@@ -168,13 +168,28 @@ pub fn expire(lease: &mut Lease, now_ms: u64) -> Option<(u64, u64)> {
 /// Applies a limiter answer for this key to its record. `fresh` is false for an answer that
 /// replays a lease id asked long ago: its tokens are credited, but its share is not started
 /// (the limiter may have replaced that assignment since, and dripping it could overspend).
+///
+/// `windowed` (a fixed window, sliding window counter or sliding log): the limiter counts the
+/// lease's units only until a time it states as `expires_ms` from when it decided, so the
+/// lease expires `expires_ms` after `asked_ms`, when this instance asked (before the limiter
+/// decided: the answer's trip back is not added), and never outlives the expiry of units
+/// still unspent from an earlier lease (the limiter gives two leases of one window, or of one
+/// slot of a log's grid, the same end; tokens of a lease already expired are dropped, not
+/// carried into the new one). A token bucket's lease runs `expires_ms` from the answer (its
+/// units were taken from the bucket when granted; the expiry only bounds how long they may
+/// be stranded).
 pub fn apply_grant(
     record: &mut Record,
     grant: &LeaseGranted,
     lease_seq: u64,
-    now_ms: u64,
+    at: GrantTimes,
     fresh: bool,
 ) {
+    let GrantTimes {
+        now_ms,
+        asked_ms,
+        windowed,
+    } = at;
     let lease = &mut record.lease;
     stop_drip(lease, now_ms);
     lease.pending_until_ms = 0;
@@ -187,10 +202,24 @@ pub fn apply_grant(
     };
     if grant.granted > 0 || share > 0.0 {
         let drip_total = (share * grant.period_ms as f64 + 1e-9).floor();
+        let expires_ms = if windowed {
+            let ends = asked_ms.min(now_ms).saturating_add(grant.expires_ms);
+            if lease.tokens > 0 && lease.expires_ms <= now_ms {
+                // Units of a window that ended: the limiter no longer counts them.
+                lease.tokens = 0;
+            }
+            if lease.tokens > 0 {
+                ends.min(lease.expires_ms)
+            } else {
+                ends
+            }
+        } else {
+            now_ms.saturating_add(grant.expires_ms)
+        };
         lease.tokens = lease.tokens.saturating_add(grant.granted);
         lease.granted = grant.granted.saturating_add(drip_total as u64);
         lease.seq = lease_seq;
-        lease.expires_ms = now_ms.saturating_add(grant.expires_ms);
+        lease.expires_ms = expires_ms;
         lease.denied_until_ms = 0;
     } else {
         // Over limit: remember it exactly as long as the limiter said, never longer.
@@ -209,6 +238,26 @@ pub fn apply_grant(
         lease.drip_carry = 0.0;
         lease.assigned_until_ms = 0;
         lease.renew_at_ms = 0;
+    }
+}
+
+/// When a limiter answer is credited: now, when the key's lease was asked for (no later than
+/// the callout was sent), and whether the policy is windowed (see [`apply_grant`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrantTimes {
+    pub now_ms: u64,
+    pub asked_ms: u64,
+    pub windowed: bool,
+}
+
+impl GrantTimes {
+    /// A token bucket's answer credited at `now_ms`.
+    pub fn bucket(now_ms: u64) -> Self {
+        Self {
+            now_ms,
+            asked_ms: now_ms,
+            windowed: false,
+        }
     }
 }
 
@@ -321,7 +370,7 @@ mod tests {
             share_per_s: 0.0,
             period_ms: 0,
         };
-        apply_grant(&mut record, &grant, 7, 1_000, true);
+        apply_grant(&mut record, &grant, 7, GrantTimes::bucket(1_000), true);
         assert_eq!(record.lease.tokens, 30);
         assert_eq!(record.lease.expires_ms, 3_000);
         assert_eq!(record.lease.pending_until_ms, 0);
@@ -330,9 +379,45 @@ mod tests {
             retry_after_ms: 1_234,
             ..grant
         };
-        apply_grant(&mut record, &denied, 8, 1_000, true);
+        apply_grant(&mut record, &denied, 8, GrantTimes::bucket(1_000), true);
         assert_eq!(record.lease.denied_until_ms, 2_234);
         assert_eq!(record.lease.tokens, 30);
+    }
+
+    #[test]
+    fn a_window_lease_expires_from_the_ask_and_never_outlives_unspent_units() {
+        let mut record = Record::fresh("p:k");
+        let grant = LeaseGranted {
+            id: "x".into(),
+            granted: 4,
+            remaining: 0.0,
+            retry_after_ms: 0,
+            expires_ms: 500,
+            share_per_s: 0.0,
+            period_ms: 0,
+        };
+        let at = |now_ms, asked_ms| GrantTimes {
+            now_ms,
+            asked_ms,
+            windowed: true,
+        };
+        // Asked at 900, answered at 1,000: the limiter decided in between, so its 500 ms end
+        // by 1,400 at the latest.
+        apply_grant(&mut record, &grant, 1, at(1_000, 900), true);
+        assert_eq!((record.lease.tokens, record.lease.expires_ms), (4, 1_400));
+        // A second lease of the same window ends no later than the units still unspent.
+        let second = LeaseGranted {
+            expires_ms: 300,
+            ..grant.clone()
+        };
+        apply_grant(&mut record, &second, 2, at(1_200, 1_150), true);
+        assert_eq!((record.lease.tokens, record.lease.expires_ms), (8, 1_400));
+        // A lease of the next window: what is left of the last one's window is not carried.
+        apply_grant(&mut record, &grant, 3, at(1_450, 1_420), true);
+        assert_eq!((record.lease.tokens, record.lease.expires_ms), (4, 1_920));
+        // A token bucket's lease runs from the answer and keeps what is left.
+        apply_grant(&mut record, &grant, 4, GrantTimes::bucket(1_500), true);
+        assert_eq!((record.lease.tokens, record.lease.expires_ms), (8, 2_000));
     }
 
     #[test]

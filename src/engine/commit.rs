@@ -262,6 +262,7 @@ impl Engine {
                     want: *want,
                     demand_per_s: *demand_per_s,
                     blocking: true,
+                    asked_ms: now_ms,
                 });
             }
             return (Verdict::Wait, Vec::new(), Vec::new());

@@ -392,6 +392,7 @@ pub(super) fn ask_in_background(
         want,
         demand_per_s,
         blocking: false,
+        asked_ms: now_ms,
     });
 }
 
