@@ -63,15 +63,20 @@ pub fn build_key(
                     .filter(|v| !v.is_empty())
                     .map(|v| escape_part(&v))
             }
-            KeyPart::ClientIp { trusted_hops: 0 } => source
-                .property(&["source", "address"])
-                .and_then(|a| ip_from_socket_address(&String::from_utf8_lossy(&a)))
-                .map(|ip| escape_part(ip.to_string().as_bytes())),
+            // Envoy's client address (`source.address`): the connection's peer with
+            // `use_remote_address: true`, or what its `xff_num_trusted_hops` picked.
+            KeyPart::ClientIp { trusted_hops: 0 } => {
+                client_address(source).map(|ip| escape_part(ip.to_string().as_bytes()))
+            }
+            // The entry Envoy's `xff_num_trusted_hops: N` would pick; when there is none (too
+            // few entries, or not an IP), Envoy's client address, as Envoy falls back to the
+            // connection's. A client never chooses its key by sending a short or garbled header.
             KeyPart::ClientIp { trusted_hops } => source
                 .header("x-forwarded-for")
                 .and_then(|xff| {
                     ip_from_forwarded_for(&String::from_utf8_lossy(&xff), *trusted_hops)
                 })
+                .or_else(|| client_address(source))
                 .map(|ip| escape_part(ip.to_string().as_bytes())),
             KeyPart::Constant(escaped) => Some(escaped.clone()),
             KeyPart::Route => route.map(|r| escape_part(r.as_bytes())),
@@ -84,6 +89,13 @@ pub fn build_key(
         }
     }
     PolicyKey::Key(join_parts(&parts))
+}
+
+/// Envoy's client address of the request (`source.address`).
+fn client_address(source: &impl RequestSource) -> Option<std::net::IpAddr> {
+    source
+        .property(&["source", "address"])
+        .and_then(|a| ip_from_socket_address(&String::from_utf8_lossy(&a)))
 }
 
 #[cfg(test)]
@@ -197,15 +209,33 @@ mod tests {
             build_key(&p.policies[0], None, &facts(), &src, false),
             PolicyKey::Key("%3a%3a1".into())
         );
+        // One trusted proxy (10.9.9.9, appended by Envoy) that appended its client, 10.1.2.3.
         let p = policy(r#"[{"client_ip":{"trusted_hops":1}}]"#);
-        src.headers
-            .insert("x-forwarded-for".into(), b"6.6.6.6, 10.1.2.3".to_vec());
+        src.headers.insert(
+            "x-forwarded-for".into(),
+            b"6.6.6.6, 10.1.2.3, 10.9.9.9".to_vec(),
+        );
         assert_eq!(
             build_key(&p.policies[0], None, &facts(), &src, false),
             PolicyKey::Key("10.1.2.3".into())
         );
-        src.headers
-            .insert("x-forwarded-for".into(), b"6.6.6.6, not-an-ip".to_vec());
+        // A garbled entry or too short a header: Envoy's client address, as Envoy does.
+        for xff in ["6.6.6.6, not-an-ip, 10.9.9.9", "10.9.9.9", ""] {
+            src.headers
+                .insert("x-forwarded-for".into(), xff.as_bytes().to_vec());
+            assert_eq!(
+                build_key(&p.policies[0], None, &facts(), &src, false),
+                PolicyKey::Key("%3a%3a1".into()),
+                "{xff}"
+            );
+        }
+        src.headers.clear();
+        assert_eq!(
+            build_key(&p.policies[0], None, &facts(), &src, false),
+            PolicyKey::Key("%3a%3a1".into())
+        );
+        // Without any address at all the key is missing.
+        src.properties.clear();
         assert_eq!(
             build_key(&p.policies[0], None, &facts(), &src, false),
             PolicyKey::Missing

@@ -194,7 +194,8 @@ pub enum KeyPartSpec {
     Header(String),
     /// A claim of a JWT verified by Envoy's `jwt_authn` (its `payload_in_metadata`).
     JwtClaim(JwtClaimSpec),
-    /// The client IP: the socket peer (`trusted_hops: 0`), or from `X-Forwarded-For`.
+    /// The client IP: Envoy's client address (`trusted_hops: 0`), or the `X-Forwarded-For`
+    /// entry Envoy's `xff_num_trusted_hops: N` would pick (`trusted_hops: N`).
     ClientIp(ClientIpSpec),
     /// An API key header, kept only as a SHA-256 digest.
     ApiKey(String),
@@ -246,7 +247,9 @@ impl ClaimPath {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClientIpSpec {
-    /// Trusted proxies in front of Envoy that append to `X-Forwarded-For`; 0 uses the socket peer.
+    /// Trusted proxies in front of Envoy that append to `X-Forwarded-For`, counted as Envoy's
+    /// `xff_num_trusted_hops`; 0 uses Envoy's client address (the socket peer with
+    /// `use_remote_address: true`).
     #[serde(default)]
     pub trusted_hops: u32,
 }
