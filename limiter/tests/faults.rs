@@ -307,7 +307,7 @@ async fn a_silently_dead_cluster_connection_is_replaced() {
                 break;
             }
             assert!(
-                announced.elapsed() < Duration::from_secs(15),
+                announced.elapsed() < WAIT_LIMIT,
                 "node {} names primaries {named:?}, not the proxies {proxied:?}",
                 server.port()
             );
@@ -373,12 +373,17 @@ struct Sample {
     granted: Option<u64>,
 }
 
-/// Leases from `key` every few ms (fresh ids) until `stop`.
+/// When the traffic loop last had an answer that decided (200).
+type LastDecided = Arc<std::sync::Mutex<Option<Instant>>>;
+
+/// Leases from `key` every few ms (fresh ids) until `stop`; `decided` is when it last got a
+/// decision.
 fn traffic(
     addr: SocketAddr,
     policy: &'static str,
     key: String,
     stop: Arc<AtomicBool>,
+    decided: LastDecided,
 ) -> tokio::task::JoinHandle<Vec<Sample>> {
     tokio::spawn(async move {
         let mut samples = Vec::new();
@@ -390,6 +395,9 @@ fn traffic(
                 503 => None,
                 other => panic!("unexpected {other}: {v}"),
             };
+            if granted.is_some() {
+                *decided.lock().unwrap() = Some(Instant::now());
+            }
             samples.push(Sample {
                 at: Instant::now(),
                 id,
@@ -399,6 +407,18 @@ fn traffic(
         }
         samples
     })
+}
+
+/// Waits (at most [`WAIT_LIMIT`]) until the traffic loop has had a decision after `since`.
+async fn decided_after(decided: &LastDecided, since: Instant, what: &str) {
+    let deadline = Instant::now() + WAIT_LIMIT;
+    while !decided.lock().unwrap().is_some_and(|at| at > since) {
+        assert!(
+            Instant::now() < deadline,
+            "no decision within {WAIT_LIMIT:?} after {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Longest stretch without a decision, and how many answers were UNAVAILABLE.
@@ -481,14 +501,28 @@ async fn cluster_failover_keeps_deciding_and_overshoot_is_measured() {
 
     // Phase A: coordinated failover.
     let stop = Arc::new(AtomicBool::new(false));
-    let a = traffic(addr, "thousand", phase_a_key.clone(), Arc::clone(&stop));
-    let o = traffic(addr, "thousand", other.clone(), Arc::clone(&stop));
+    let decided = LastDecided::default();
+    let a = traffic(
+        addr,
+        "thousand",
+        phase_a_key.clone(),
+        Arc::clone(&stop),
+        Arc::clone(&decided),
+    );
+    let o = traffic(
+        addr,
+        "thousand",
+        other.clone(),
+        Arc::clone(&stop),
+        LastDecided::default(),
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     let c = Arc::clone(&cluster);
     let promoted = tokio::task::spawn_blocking(move || c.failover(first_primary))
         .await
         .unwrap();
     let failed_over = Instant::now();
+    decided_after(&decided, failed_over, "the manual failover").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, Ordering::Relaxed);
     let samples_a = a.await.unwrap();
@@ -515,13 +549,26 @@ async fn cluster_failover_keeps_deciding_and_overshoot_is_measured() {
 
     // Phase B: the new primary is killed; the old one (its replica now) is promoted.
     let stop = Arc::new(AtomicBool::new(false));
-    let b = traffic(addr, "thousand", phase_b_key.clone(), Arc::clone(&stop));
-    let o = traffic(addr, "thousand", other.clone(), Arc::clone(&stop));
+    let decided = LastDecided::default();
+    let b = traffic(
+        addr,
+        "thousand",
+        phase_b_key.clone(),
+        Arc::clone(&stop),
+        Arc::clone(&decided),
+    );
+    let o = traffic(
+        addr,
+        "thousand",
+        other.clone(),
+        Arc::clone(&stop),
+        LastDecided::default(),
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     let killed_at = Instant::now();
     cluster.kill_node(promoted);
     let c = Arc::clone(&cluster);
-    tokio::task::spawn_blocking(move || c.wait_healthy(Duration::from_secs(30)))
+    tokio::task::spawn_blocking(move || c.wait_healthy(WAIT_LIMIT))
         .await
         .unwrap()
         .unwrap();
@@ -530,6 +577,7 @@ async fn cluster_failover_keeps_deciding_and_overshoot_is_measured() {
         "killed {promoted}; cluster healthy again after {:?}",
         healed - killed_at
     );
+    decided_after(&decided, healed, "the killed primary was replaced").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, Ordering::Relaxed);
     let samples_b = b.await.unwrap();

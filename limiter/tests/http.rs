@@ -736,7 +736,7 @@ async fn health_readiness_and_metrics() {
     .await;
     let node = format!("127.0.0.1:{}", redis.port());
     // The store-keys gauge is sampled in the background once the store is prepared.
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + WAIT_LIMIT;
     let text = loop {
         let (status, text) = get(addr, "/metrics").await;
         assert_eq!(status, 200);
@@ -784,7 +784,7 @@ async fn policy_reload_keeps_the_last_good_document() {
     );
     assert_ne!(bigger, DOC);
     std::fs::write(&path, &bigger).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + WAIT_LIMIT;
     let key = unique("reload");
     let v2 = loop {
         let (_, v) = post(
@@ -823,7 +823,7 @@ async fn policy_reload_keeps_the_last_good_document() {
         "the last good document stays"
     );
     assert_eq!(granted(&v), 20);
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + WAIT_LIMIT;
     let text = loop {
         let (_, text) = get(addr, "/metrics").await;
         if text.contains(r#"tollgate_limiter_policy_reloads_total{result="invalid"} 1"#) {
@@ -900,19 +900,16 @@ fn the_binary_starts_serves_and_stops_on_sigterm() {
     .env("TOLLGATE_STORE_TIMEOUT", "30ms")
     .env("TOLLGATE_ASSIGNMENT_PERIOD", "500ms");
     let mut child = tollgate_e2e::process::ChildProcess::spawn("limiter", cmd, &dir).unwrap();
-    let ready =
-        tollgate_e2e::process::wait_for("the limiter binary", Duration::from_secs(10), || {
-            tollgate_e2e::http_blocking::get(port, "/readyz", Duration::from_millis(500))
-                .ok()
-                .filter(|r| r.status == 200)
-        });
+    let ready = tollgate_e2e::process::wait_for("the limiter binary", WAIT_LIMIT, || {
+        tollgate_e2e::http_blocking::get(port, "/readyz", Duration::from_millis(500))
+            .ok()
+            .filter(|r| r.status == 200)
+    });
     assert!(ready.is_ok(), "{ready:?}\n{}", child.stderr());
     child.signal(libc::SIGTERM).unwrap();
     let status =
-        tollgate_e2e::process::wait_for("exit after SIGTERM", Duration::from_secs(10), || {
-            child.exit_status()
-        })
-        .unwrap();
+        tollgate_e2e::process::wait_for("exit after SIGTERM", WAIT_LIMIT, || child.exit_status())
+            .unwrap();
     assert!(status.success(), "{status:?}\n{}", child.stderr());
     let log = child.stderr();
     assert!(

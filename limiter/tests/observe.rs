@@ -116,14 +116,17 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 
 /// Scrapes `/metrics` until `ready` holds (bounded), naming what it waited for.
 async fn metrics_until(addr: SocketAddr, what: &str, ready: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + WAIT_LIMIT;
     loop {
         let (status, text) = get(addr, "/metrics").await;
         assert_eq!(status, 200);
         if ready(&text) {
             return text;
         }
-        assert!(Instant::now() < deadline, "no {what} within 30 s:\n{text}");
+        assert!(
+            Instant::now() < deadline,
+            "no {what} within {WAIT_LIMIT:?}:\n{text}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -234,15 +237,11 @@ async fn the_hot_tenant_tops_the_report_and_is_logged_redis() {
     .env("TOLLGATE_HOT_KEY_MIN_CALLS", "100")
     .env("TOLLGATE_HOT_KEY_SALT_FILE", &salt_file);
     let child = tollgate_e2e::process::ChildProcess::spawn("limiter", cmd, &dir).unwrap();
-    let ready = tollgate_e2e::process::wait_for(
-        "the limiter binary ready",
-        Duration::from_secs(15),
-        || {
-            tollgate_e2e::http_blocking::get(port, "/readyz", Duration::from_millis(500))
-                .ok()
-                .filter(|r| r.status == 200)
-        },
-    );
+    let ready = tollgate_e2e::process::wait_for("the limiter binary ready", WAIT_LIMIT, || {
+        tollgate_e2e::http_blocking::get(port, "/readyz", Duration::from_millis(500))
+            .ok()
+            .filter(|r| r.status == 200)
+    });
     assert!(ready.is_ok(), "{ready:?}\n{}", child.stderr());
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let admin = SocketAddr::from(([127, 0, 0, 1], admin_port));
@@ -294,15 +293,14 @@ async fn the_hot_tenant_tops_the_report_and_is_logged_redis() {
     );
 
     // The warning: checked every second, once per key and minute.
-    let line =
-        tollgate_e2e::process::wait_for("the hot-key warning", Duration::from_secs(15), || {
-            child
-                .stderr()
-                .lines()
-                .find(|l| l.contains("hot key:"))
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|e| panic!("{e}\n{}", child.stderr()));
+    let line = tollgate_e2e::process::wait_for("the hot-key warning", WAIT_LIMIT, || {
+        child
+            .stderr()
+            .lines()
+            .find(|l| l.contains("hot key:"))
+            .map(str::to_owned)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", child.stderr()));
     let v: Value = serde_json::from_str(&line).unwrap();
     assert_eq!(v["level"], "WARN", "{line}");
     assert_eq!(v["key"], hot_hash.as_str(), "{line}");

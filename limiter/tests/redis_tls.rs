@@ -33,7 +33,7 @@ use tollgate_e2e::{RedisCluster, RedisServer};
 /// Generous for a loaded 2-core machine: the limiter's store timeout (the default 50 ms would
 /// turn slow TLS answers into UNAVAILABLE) and every wait of these tests.
 const STORE_TIMEOUT: &str = "500ms";
-const WAIT: Duration = Duration::from_secs(30);
+const WAIT: Duration = WAIT_LIMIT;
 const HTTP: Duration = Duration::from_secs(5);
 
 /// A TLS Redis of its own (client certificates required, an ACL user) and its certificates.
