@@ -272,7 +272,8 @@ pub enum Command {
         #[arg(long, value_name = "NAME", default_value = "tollgate_limiter")]
         limiter_cluster: String,
         /// Proxies in front of Envoy that append to X-Forwarded-For, for `remote_address`
-        /// (`client_ip.trusted_hops`; 0 reads the socket peer).
+        /// (`client_ip.trusted_hops`, counted as Envoy's xff_num_trusted_hops; 0 reads
+        /// Envoy's client address, which ratelimit's `remote_address` action also uses).
         #[arg(long, value_name = "N", default_value_t = 0)]
         trusted_hops: u32,
         /// ratelimit configuration files (YAML), one domain each.
