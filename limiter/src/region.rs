@@ -620,11 +620,13 @@ impl Shared {
         };
         let returned = item.unused.min(record.taken - record.returned);
         record.returned += returned;
-        // What the reservoir can no longer hold (the leases and drip the tokens came from have
-        // ended) goes on to the parent, under the parent leases it came from.
-        let left = entry.reservoir.give_back(returned, now).tokens;
-        let onward = record.sources.take(left);
-        let lost = left.saturating_sub(onward.iter().map(|(_, n)| n).sum());
+        // Back into the parent leases the tokens came from; what came from a lease or drip
+        // that has ended goes on to the parent, under that lease's id.
+        let sourced = record.sources.total();
+        let onward = entry
+            .reservoir
+            .give_back_to(returned, &mut record.sources, now);
+        let lost = returned.saturating_sub(sourced - record.sources.total());
         self.metrics.regional_tokens(&id.0, "expired", lost);
         drop(state);
         for (lease_id, tokens) in onward {

@@ -24,8 +24,9 @@
 //!
 //! A late return is not refused while it can arrive: the region remembers each lease it
 //! hands out, with the parent leases its tokens came from ([`Sources`]), for as long as a
-//! plain limiter remembers a lease id ([`Terms::record_lifetime_ms`]); tokens returned when
-//! the reservoir holds nothing live any more go on to the parent under those ids.
+//! plain limiter remembers a lease id ([`Terms::record_lifetime_ms`]). Returned tokens go back
+//! into the parent lease they came from while it is live, else on to the parent under its id
+//! ([`Reservoir::give_back_to`]).
 //!
 //! The tests (`ledger/tests.rs`) drive random asks, returns and parent answers against a
 //! model of instances that spend everything they are given as soon as they may, and check
@@ -507,6 +508,39 @@ impl Reservoir {
             return Expired::default();
         }
         Expired { tokens: unused }
+    }
+
+    /// Takes back `unused` tokens an instance returns, each part into the parent lease it
+    /// came from (`sources`, the instance lease's) while that lease is live, or into the
+    /// running drip it came from. A part whose source has ended (or was given back already)
+    /// cannot be held any more: it comes out as (parent lease id, tokens) to give back to the
+    /// parent, which takes back at most what each of its leases gave. Putting a part into
+    /// another lease instead would make that lease give back more than the parent gave it.
+    pub fn give_back_to(
+        &mut self,
+        unused: u64,
+        sources: &mut Sources,
+        now_ms: u64,
+    ) -> Vec<(String, u64)> {
+        let mut onward = Vec::new();
+        for (id, part) in sources.take(unused) {
+            if let Some(h) = self
+                .leases
+                .iter_mut()
+                .find(|h| h.id == id && h.expires_ms > now_ms)
+            {
+                h.left += part;
+            } else if let Some(drip) = self
+                .drip
+                .as_mut()
+                .filter(|d| d.id == id && d.ends_ms > now_ms)
+            {
+                drip.given -= part as f64;
+            } else {
+                onward.push((id, part));
+            }
+        }
+        onward
     }
 
     /// What to ask the parent for now, if anything: nothing while the region's assignment

@@ -170,12 +170,20 @@ fn an_answer_says_which_parent_leases_its_tokens_came_from() {
     let mut sources = r.take_sources();
     assert_eq!(sources.total(), 7);
     assert_eq!(r.take_sources(), Sources::default(), "taken once");
-    // Both leases expire; the instance's late return of 6 cannot go into the reservoir: it
-    // goes to the parent, most recent source first, never more than each gave.
-    r.expire(3_000, TERMS);
-    assert_eq!(r.give_back(6, 3_000), Expired { tokens: 6 });
+    // "early" has expired: a return of 3 goes back into "late" (2 came from it, live) and
+    // on to the parent for the 1 of "early", never more than each gave.
+    r.expire(1_000, TERMS);
+    let left_late = r.spendable(1_000);
+    let mut copy = sources.clone();
     assert_eq!(
-        sources.take(6),
+        r.give_back_to(3, &mut copy, 1_000),
+        vec![("early".to_owned(), 1)]
+    );
+    assert_eq!(r.spendable(1_000), left_late + 2);
+    // Both expired: a late return goes to the parent, most recent source first.
+    r.expire(3_000, TERMS);
+    assert_eq!(
+        r.give_back_to(6, &mut sources, 3_000),
         vec![("late".to_owned(), 2), ("early".to_owned(), 4)]
     );
     assert_eq!(sources.take(5), vec![("early".to_owned(), 1)]);
