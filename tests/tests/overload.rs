@@ -47,92 +47,157 @@ fn start_envoy(policy: &str, upstream: &Upstream, limiter_port: u16, workers: u3
     (envoy, port)
 }
 
+/// One answered request: when its answer came (since the start of the run) and its status
+/// (0: no answer).
+#[derive(Debug, Clone, Copy)]
+struct Answer {
+    at: Duration,
+    status: u16,
+}
+
 /// What one instance saw during a paced run.
 #[derive(Debug, Default, Clone, Copy)]
 struct Tally {
     offered: u64,
     admitted: u64,
-    /// Admitted after the warm-up (the split between instances is judged on these).
+    /// Answered once the shares had settled (the split between instances is judged on these).
+    offered_steady: u64,
     admitted_steady: u64,
     denied: u64,
     other: u64,
 }
 
+impl Tally {
+    /// Counts `answers`; those answered at or after `steady_from` count as steady too.
+    fn of(answers: &[Answer], steady_from: Option<Duration>) -> Self {
+        let mut t = Tally::default();
+        for a in answers {
+            let steady = steady_from.is_some_and(|from| a.at >= from);
+            t.offered += 1;
+            t.offered_steady += u64::from(steady);
+            match a.status {
+                200 => {
+                    t.admitted += 1;
+                    t.admitted_steady += u64::from(steady);
+                }
+                429 => t.denied += 1,
+                _ => t.other += 1,
+            }
+        }
+        t
+    }
+}
+
+/// A paced run: what each instance answered, how long it took, and when `settled` first held.
+struct Run {
+    a: Vec<Answer>,
+    b: Vec<Answer>,
+    elapsed: f64,
+    settled_at: Option<Duration>,
+}
+
+impl Run {
+    fn tallies(&self) -> (Tally, Tally) {
+        (
+            Tally::of(&self.a, self.settled_at),
+            Tally::of(&self.b, self.settled_at),
+        )
+    }
+}
+
 /// Paced demand on two instances for `seconds`: every 40 ms, `per_tick.0` requests to `a` and
-/// `per_tick.1` to `b`, one tenant. Returns the tallies and the elapsed time; `at_one_second`
-/// is called once, one second in (to read counters after the start-up).
+/// `per_tick.1` to `b`, one tenant (a tick the client could not keep is sent late, with the
+/// next: the offered total stays the same). `settled` is asked every 200 ms, with the time
+/// since the start, until it says yes (the run records when); `at_one_second` is called once,
+/// one second in (to read counters after the start-up).
 async fn paced(
     ports: (u16, u16),
     per_tick: (usize, usize),
     seconds: u64,
     tenant: &'static str,
-    warmup: Duration,
+    mut settled: impl FnMut(Duration) -> bool,
     mut at_one_second: impl FnMut(),
-) -> ((Tally, Tally), f64) {
+) -> Run {
     let start = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(TICK_MS));
     let mut rounds = Vec::new();
     let mut read = false;
+    let mut settled_at = None;
     for round in 0..(seconds * 1_000 / TICK_MS) as usize {
         tick.tick().await;
         if !read && start.elapsed() >= Duration::from_secs(1) {
             at_one_second();
             read = true;
         }
-        let steady = start.elapsed() >= warmup;
+        if settled_at.is_none() && round % 5 == 0 && settled(start.elapsed()) {
+            settled_at = Some(start.elapsed());
+        }
         rounds.push(tokio::spawn(async move {
-            let (ra, rb) = tokio::join!(
-                burst_detailed(
-                    ports.0,
-                    per_tick.0,
-                    per_tick.0,
-                    Duration::from_secs(5),
-                    |i| item(tenant, round * 100 + i)
-                ),
-                burst_detailed(
-                    ports.1,
-                    per_tick.1,
-                    per_tick.1,
-                    Duration::from_secs(5),
-                    |i| item(tenant, round * 100 + 50 + i)
-                ),
-            );
-            let tally = |results: Vec<Timed<Result<Response, HarnessError>>>| {
-                let mut t = Tally::default();
-                for r in results {
-                    t.offered += 1;
-                    match &r.response {
-                        Ok(resp) if resp.status == 200 => {
-                            t.admitted += 1;
-                            if steady {
-                                t.admitted_steady += 1;
-                            }
-                        }
-                        Ok(resp) if resp.status == 429 => t.denied += 1,
-                        _ => t.other += 1,
-                    }
-                }
-                t
+            // One request per connection, all sent together once every connection is open:
+            // each was answered its latency after the start of the slowest one.
+            let answers = |results: Vec<Timed<Result<Response, HarnessError>>>| {
+                let returned = start.elapsed();
+                let slowest = results.iter().map(|r| r.latency).max().unwrap_or_default();
+                results
+                    .into_iter()
+                    .map(|r| Answer {
+                        at: returned.saturating_sub(slowest) + r.latency,
+                        status: r.response.map_or(0, |resp| resp.status),
+                    })
+                    .collect::<Vec<_>>()
             };
-            (tally(ra), tally(rb))
+            tokio::join!(
+                async {
+                    let results = burst_detailed(
+                        ports.0,
+                        per_tick.0,
+                        per_tick.0,
+                        Duration::from_secs(5),
+                        |i| item(tenant, round * 100 + i),
+                    )
+                    .await;
+                    answers(results)
+                },
+                async {
+                    let results = burst_detailed(
+                        ports.1,
+                        per_tick.1,
+                        per_tick.1,
+                        Duration::from_secs(5),
+                        |i| item(tenant, round * 100 + 50 + i),
+                    )
+                    .await;
+                    answers(results)
+                },
+            )
         }));
     }
-    let (mut a, mut b) = (Tally::default(), Tally::default());
+    let (mut a, mut b) = (Vec::new(), Vec::new());
     for round in rounds {
         let (ra, rb) = round.await.unwrap();
-        for (sum, part) in [(&mut a, ra), (&mut b, rb)] {
-            sum.offered += part.offered;
-            sum.admitted += part.admitted;
-            sum.admitted_steady += part.admitted_steady;
-            sum.denied += part.denied;
-            sum.other += part.other;
-        }
+        a.extend(ra);
+        b.extend(rb);
     }
-    ((a, b), start.elapsed().as_secs_f64())
+    Run {
+        a,
+        b,
+        elapsed: start.elapsed().as_secs_f64(),
+        settled_at,
+    }
 }
 
 /// One overload run: bounds on admitted units, lease calls per instance per second after the
-/// first second, and the split of the admitted budget between the instances.
+/// first second, and the split of the admitted budget between the instances once the shares
+/// have settled.
+///
+/// When the overload starts, the instance whose lease runs dry first is assigned a share
+/// against the other's demand as it was reported with its last lease (a few units per second
+/// from a cold start), so it gets nearly the whole rate for a period, and the other's first
+/// share is what is left; if the other renews before it, that renewal is capped again. The
+/// split follows the demand from each instance's third assignment on (both have been
+/// assigned since both reported their real demand), which is when the judged window starts
+/// (and not before 2 s). It is judged against the split of what was offered in that window
+/// (what each Envoy saw, however late the client sent it).
 async fn overload_run(per_tick: (usize, usize), tenant: &'static str) {
     let (rate, burst, seconds) = (50u64, 15u64, 8u64);
     let redis = RedisServer::start();
@@ -142,15 +207,20 @@ async fn overload_run(per_tick: (usize, usize), tenant: &'static str) {
     let (a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
     let (b, port_b) = start_envoy(&policy, &upstream, limiter.port(), 2);
     let mut calls_at_one_second = (0, 0);
-    let ((ta, tb), elapsed) = paced(
+    let run = paced(
         (port_a, port_b),
         per_tick,
         seconds,
         tenant,
-        Duration::from_secs(2),
+        |since_start| {
+            since_start >= Duration::from_secs(2)
+                && counter(&a, "assignments") >= 3
+                && counter(&b, "assignments") >= 3
+        },
         || calls_at_one_second = (counter(&a, "lease_requests"), counter(&b, "lease_requests")),
     )
     .await;
+    let ((ta, tb), elapsed) = (run.tallies(), run.elapsed);
     let calls = (
         counter(&a, "lease_requests") - calls_at_one_second.0,
         counter(&b, "lease_requests") - calls_at_one_second.1,
@@ -163,10 +233,12 @@ async fn overload_run(per_tick: (usize, usize), tenant: &'static str) {
         calls.0 as f64 / (elapsed - 1.0),
         calls.1 as f64 / (elapsed - 1.0),
     );
+    // NaN: never.
+    let settled = run.settled_at.map_or(f64::NAN, |at| at.as_secs_f64());
     println!(
         "demand {demand:.0}/s ({:.1}x the rate), split {}:{}: admitted {admitted} in {elapsed:.2} s \
          (allowed [{lower:.0}, {upper:.0}]), instance A {:?}, B {:?}; lease calls per second \
-         after the first: A {:.2}, B {:.2}; assignments A {}, B {}",
+         after the first: A {:.2}, B {:.2}; assignments A {}, B {}; shares settled at {settled:.2} s",
         demand / rate as f64,
         per_tick.0,
         per_tick.1,
@@ -187,15 +259,22 @@ async fn overload_run(per_tick: (usize, usize), tenant: &'static str) {
             "instance {name}: {per_s:.2} lease calls per second for one key"
         );
     }
-    assert!(counter(&a, "assignments") > 0 && counter(&b, "assignments") > 0);
-    // The split after the warm-up follows the demand split, within ±10 %.
-    let want = per_tick.0 as f64 / per_tick.1 as f64;
+    // Three assignments each come within a few periods (1 s), leaving seconds to judge.
+    assert!(
+        settled <= 5.0,
+        "three assignments each not within 5 s: at {settled:.2} s"
+    );
+    // The admitted split once the shares settled follows the offered split, within ±10 %.
+    let want = ta.offered_steady as f64 / tb.offered_steady.max(1) as f64;
     let got = ta.admitted_steady as f64 / tb.admitted_steady.max(1) as f64;
     assert!(
         (got - want).abs() <= 0.1 * want,
-        "admitted split {got:.2} for a demand split of {want:.2} ({} vs {})",
+        "admitted split {got:.2} for an offered split of {want:.2} ({} vs {} admitted, {} vs {} \
+         offered)",
         ta.admitted_steady,
-        tb.admitted_steady
+        tb.admitted_steady,
+        ta.offered_steady,
+        tb.offered_steady
     );
 }
 
@@ -355,9 +434,9 @@ async fn an_instance_whose_demand_stops_leaves_its_share_to_the_other() {
     let upstream = Upstream::start();
     let (_a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
     let (_b, port_b) = start_envoy(&policy, &upstream, limiter.port(), 2);
-    let warm = Duration::from_secs(60);
     let began = Instant::now();
-    let ((ta, tb), _) = paced((port_a, port_b), (6, 6), 3, "handover", warm, || {}).await;
+    let run = paced((port_a, port_b), (6, 6), 3, "handover", |_| false, || {}).await;
+    let (ta, tb) = run.tallies();
     assert!(ta.admitted > 0 && tb.admitted > 0);
     // B alone.
     let start = Instant::now();
