@@ -43,6 +43,7 @@ fn ok(responses: &[Response]) -> usize {
 async fn each_algorithm_admits_its_limit_over_two_envoys(store: Store) {
     let policy = policies();
     let limiter = Limiter::start(&policy, store, &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let start = || {
         let config = envoy_config(

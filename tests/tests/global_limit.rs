@@ -101,6 +101,7 @@ async fn a_burst_across_two_instances_stays_within_the_global_budget(build: Buil
     let redis = RedisServer::start();
     let policy = global_policy(1, "1h", 100, CLOSED, PATIENT);
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (a, port_a) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     let (b, port_b) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
@@ -136,6 +137,7 @@ async fn sustained_demand_at_five_times_the_rate_is_held_to_the_rate(build: Buil
     let burst_size = 20;
     let policy = global_policy(rate, "1s", burst_size, CLOSED, PATIENT);
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (_a, port_a) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     let (_b, port_b) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
@@ -195,6 +197,7 @@ async fn two_policies_and_weighted_cost_are_all_or_nothing(build: Build) {
 }}"#
     );
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (_envoy, port) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     let export = || RequestSpec::post("/exports", "{}").header("x-tenant-id", "acme");
@@ -227,6 +230,7 @@ async fn shadow_global_policy_admits_all_and_counts(build: Build) {
         "\"scope\": \"global\", \"enforce\": false,",
     );
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (envoy, port) = start_envoy(build, &policy, &upstream, limiter.port(), 1);
     let mut all = Vec::new();
@@ -256,6 +260,7 @@ async fn batching_keeps_redis_commands_far_below_requests(build: Build) {
     let redis = RedisServer::start();
     let policy = global_policy(1_000, "1s", 1_000, CLOSED, PATIENT);
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (_envoy, port) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     // Warm up the lease, then measure 3 s at ~400 requests/s.
@@ -398,6 +403,7 @@ async fn faults(build: Build, mode: Mode) {
         Store::Redis(redis.url()),
         &["--store-timeout", "30ms"],
     );
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (envoy, port) = start_envoy(build, &policy, &upstream, limiter.port(), 2);
     assert_eq!(send(port, item("warm", 0)).await.status, 200);

@@ -203,6 +203,7 @@ async fn overload_run(per_tick: (usize, usize), tenant: &'static str) {
     let redis = RedisServer::start();
     let policy = policy(rate, "1s", burst, "2s");
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
     let (b, port_b) = start_envoy(&policy, &upstream, limiter.port(), 2);
@@ -339,6 +340,7 @@ async fn denials_under_overload_cost_no_callout() {
     let redis = RedisServer::start();
     let policy = policy(20, "1s", 5, "2s");
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (envoy, port) = start_envoy(&policy, &upstream, limiter.port(), 2);
     // Overload until the instance holds an assignment.
@@ -379,6 +381,7 @@ async fn one_slow_answer_is_retried_and_sends_no_run_of_failure_mode_answers() {
     let redis = RedisServer::start();
     let policy = policy(1_000, "1s", 1_000, "200ms");
     let mut limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (envoy, port) = start_envoy(&policy, &upstream, limiter.port(), 2);
     // Warm the connection to the limiter with another tenant.
@@ -431,6 +434,7 @@ async fn an_instance_whose_demand_stops_leaves_its_share_to_the_other() {
     let redis = RedisServer::start();
     let policy = policy(rate, "1s", burst, "2s");
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let (_a, port_a) = start_envoy(&policy, &upstream, limiter.port(), 2);
     let (_b, port_b) = start_envoy(&policy, &upstream, limiter.port(), 2);

@@ -245,6 +245,7 @@ async fn a_global_rate_change_in_the_limiter_takes_effect_without_errors() {
         Store::Redis(redis.url()),
         &["--policy-poll", "200ms"],
     );
+    limiter.wait_ready();
     let upstream = Upstream::start();
     let config = envoy_config(
         "envoy/global.yaml",

@@ -95,6 +95,7 @@ async fn settled_units_stay_within_the_global_budget_under_three_times_the_deman
     let policy = policy();
     let redis = RedisServer::start();
     let limiter = Limiter::start(&policy, Store::Redis(redis.url()), &[]);
+    limiter.wait_ready();
     let upstream = MeteredUpstream::start();
     let envoy = |_| {
         let config = envoy_config(
