@@ -986,3 +986,82 @@ fn two_workers_inserting_one_new_key_create_it_once_in_every_interleaving() {
         assert!(overlapping > 0);
     }
 }
+
+/// Groups of the table the placement tests fill, and ids they place.
+const SPREAD_GROUPS: u32 = 64;
+const SPREAD_IDS: usize = 2048;
+
+/// The most ids any group receives as a first candidate, and as any candidate.
+fn most_per_group(table: &SlotTable, ids: &[String]) -> (usize, usize) {
+    let mut first = vec![0usize; SPREAD_GROUPS as usize];
+    let mut any = vec![0usize; SPREAD_GROUPS as usize];
+    for id in ids {
+        let candidates = table.candidates(id);
+        first[candidates[0] as usize] += 1;
+        for g in candidates {
+            any[g as usize] += 1;
+        }
+    }
+    (
+        first.into_iter().max().unwrap_or(0),
+        any.into_iter().max().unwrap_or(0),
+    )
+}
+
+/// The bound a group's load stays within, whatever ids a client chose without the salt:
+/// twice its fair share plus 8 (the fair share of 2048 ids over 64 groups is 32 as first
+/// candidate, 128 as any of four; the binomial spread around it is 5.6 and 11, so the bound
+/// is over 5 standard deviations away).
+fn spread_bound(fair: usize) -> usize {
+    2 * fair + 8
+}
+
+fn spread_table(seed: u64) -> SlotTable {
+    let store = MemorySharedData::default();
+    SlotTable::open(&store, "t/", SPREAD_GROUPS * GROUP_SLOTS as u32, seed)
+        .unwrap()
+        .partitioned(["p"])
+}
+
+#[test]
+fn ids_aimed_with_a_guessed_salt_do_not_concentrate() {
+    // A client that computes placement under a salt it guessed (here: it knows the algorithm
+    // and picks ids whose first candidate is group 0 under that salt) aims at nothing under
+    // the instance's real salt.
+    let guessed = spread_table(1);
+    let real = spread_table(2);
+    let aimed: Vec<String> = (0u64..)
+        .map(|i| format!("p:tenant-{i}"))
+        .filter(|id| guessed.candidates(id)[0] == 0)
+        .take(SPREAD_IDS / 2)
+        .collect();
+    let (first, _) = most_per_group(&guessed, &aimed);
+    assert_eq!(first, aimed.len(), "the aim works under the guessed salt");
+    let fair_first = aimed.len() / SPREAD_GROUPS as usize;
+    let (first, any) = most_per_group(&real, &aimed);
+    assert!(first <= spread_bound(fair_first), "first {first}");
+    assert!(any <= spread_bound(4 * fair_first), "any {any}");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Whatever family of ids a client sends (a common prefix, counters, a fixed suffix, ids
+    /// one byte apart), under any salt no group receives more than [`spread_bound`] of them.
+    #[test]
+    fn hostile_id_sets_cannot_concentrate_keys(
+        seed in proptest::prelude::any::<u64>(),
+        prefix in "[a-z%:!#]{0,40}",
+        suffix in "[a-z0-9]{0,8}",
+        stride in 1u64..1_000_000,
+    ) {
+        let table = spread_table(seed);
+        let ids: Vec<String> = (0..SPREAD_IDS as u64)
+            .map(|i| format!("p:{prefix}{}{suffix}", i * stride))
+            .collect();
+        let fair = SPREAD_IDS / SPREAD_GROUPS as usize;
+        let (first, any) = most_per_group(&table, &ids);
+        proptest::prop_assert!(first <= spread_bound(fair), "first {}", first);
+        proptest::prop_assert!(any <= spread_bound(4 * fair), "any {}", any);
+    }
+}
