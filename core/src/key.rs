@@ -44,6 +44,13 @@ pub fn escape_part_into(out: &mut String, raw: &[u8]) {
         out.push_str(&digest_hex(raw, 16));
         return;
     }
+    if escaped_len == raw.len() {
+        // Every byte is plain (ASCII): copied as it is.
+        if let Ok(plain) = std::str::from_utf8(raw) {
+            out.push_str(plain);
+            return;
+        }
+    }
     out.reserve(escaped_len);
     for &byte in raw {
         if is_plain(byte) {
