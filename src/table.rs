@@ -442,6 +442,8 @@ pub struct Transacted<T> {
 #[derive(Debug, Clone)]
 struct Group {
     index: u32,
+    /// Its shared-data key.
+    name: GroupName,
     cas: u32,
     /// The value as read: what a confirming write puts back, and what a write changes only
     /// the slots of (the other slots' bytes are copied, never decoded).
@@ -525,13 +527,14 @@ fn encode_group(slots: &[Option<Record>]) -> Vec<u8> {
 /// The group `raw` with the slots `replace` gives a record for re-encoded, and every other
 /// slot's entry copied as it was read (an unreadable group's other slots become empty, as
 /// they read).
-fn splice_group<'a>(raw: &[u8], replace: impl Fn(usize) -> Option<&'a Record>) -> Vec<u8> {
+fn splice_group<'a>(out: &mut Vec<u8>, raw: &[u8], replace: impl Fn(usize) -> Option<&'a Record>) {
     let spans = slot_spans(raw);
-    let mut out = Vec::with_capacity(raw.len() + 64);
+    out.clear();
+    out.reserve(raw.len() + 64);
     out.push(TAG_GROUP);
     for (slot, span) in spans.iter().enumerate() {
         match replace(slot) {
-            Some(record) => push_entry(&mut out, Some(record)),
+            Some(record) => push_entry(out, Some(record)),
             None => match span.clone().and_then(|span| raw.get(span)) {
                 Some(entry) => {
                     let len = u16::try_from(entry.len()).unwrap_or(0);
@@ -544,7 +547,6 @@ fn splice_group<'a>(raw: &[u8], replace: impl Fn(usize) -> Option<&'a Record>) -
             },
         }
     }
-    out
 }
 
 /// Where each slot's record bytes are in a group's value, as [`decode_group`] reads them:
@@ -606,6 +608,58 @@ fn decode_group(bytes: &[u8]) -> Vec<Option<Record>> {
     slots
 }
 
+/// The working lists of a transaction, kept per thread between transactions: a worker's
+/// requests reuse their capacity instead of allocating them each time (bounded by the largest
+/// transaction the thread has made: a few records).
+#[derive(Default)]
+struct Buffers {
+    groups: Vec<Group>,
+    places: Vec<Place>,
+    before: Vec<Record>,
+    records: Vec<Record>,
+    write: WriteScratch,
+}
+
+/// What writing a transaction's groups works in: the groups in write order, which items
+/// changed, the group value being written.
+#[derive(Default)]
+struct WriteScratch {
+    order: Vec<usize>,
+    changed: Vec<bool>,
+    out: Vec<u8>,
+}
+
+thread_local! {
+    static BUFFERS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
+}
+
+impl Buffers {
+    /// The thread's buffers (fresh ones if a transaction of this thread holds them).
+    fn take() -> Self {
+        BUFFERS
+            .try_with(|b| b.try_borrow_mut().map(|mut b| std::mem::take(&mut *b)))
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default()
+    }
+
+    /// Empties the lists (dropping the records and groups they hold) and keeps their capacity
+    /// for the thread's next transaction.
+    fn give_back(mut self) {
+        self.groups.clear();
+        self.places.clear();
+        self.before.clear();
+        self.records.clear();
+        // The value buffer keeps at most a group's worth of bytes.
+        self.write.out.clear();
+        let _ = BUFFERS.try_with(|b| {
+            if let Ok(mut b) = b.try_borrow_mut() {
+                *b = self;
+            }
+        });
+    }
+}
+
 /// A key's candidate groups (at most [`PROBE_GROUPS`]), without a heap allocation.
 #[derive(Debug, Clone, Copy)]
 struct Candidates {
@@ -623,6 +677,7 @@ impl Candidates {
 const GROUP_NAME_BYTES: usize = 96;
 
 /// A group's shared-data key, `<prefix>group/<n>`.
+#[derive(Debug, Clone)]
 enum GroupName {
     Stack([u8; GROUP_NAME_BYTES], usize),
     Heap(String),
@@ -839,35 +894,41 @@ impl SlotTable {
 
     fn read(&self, store: &impl SharedData, index: u32) -> Result<Group, TableError> {
         let name = self.group_name(index);
-        let key = name.as_str();
-        if let Some(group) = self.try_read(store, key, index)? {
+        if let Some(group) = self.try_read(store, &name, index)? {
             return Ok(group);
         }
         // Created at open (or, past the opened groups, on first use); recreate, then re-read.
-        create_if_absent(store, key, &encode_group(&vec![None; GROUP_SLOTS]))?;
-        self.try_read(store, key, index)?.ok_or(TableError::Host)
+        create_if_absent(
+            store,
+            name.as_str(),
+            &encode_group(&vec![None; GROUP_SLOTS]),
+        )?;
+        self.try_read(store, &name, index)?.ok_or(TableError::Host)
     }
 
     fn try_read(
         &self,
         store: &impl SharedData,
-        key: &str,
+        name: &GroupName,
         index: u32,
     ) -> Result<Option<Group>, TableError> {
         let group = |cas, raw: Vec<u8>| Group {
             index,
+            name: name.clone(),
             cas,
             slots: None,
             raw,
             rank: None,
             candidate: false,
         };
-        Ok(match store.get(key).map_err(|_| TableError::Host)? {
-            (Some(bytes), Some(cas)) => Some(group(cas, bytes)),
-            // A present key with an empty value (what a shared-data "remove" leaves).
-            (None, Some(cas)) => Some(group(cas, encode_group(&vec![None; GROUP_SLOTS]))),
-            (_, None) => None,
-        })
+        Ok(
+            match store.get(name.as_str()).map_err(|_| TableError::Host)? {
+                (Some(bytes), Some(cas)) => Some(group(cas, bytes)),
+                // A present key with an empty value (what a shared-data "remove" leaves).
+                (None, Some(cas)) => Some(group(cas, encode_group(&vec![None; GROUP_SLOTS]))),
+                (_, None) => None,
+            },
+        )
     }
 
     /// Position of group `index` among the transaction's groups, reading it on first use.
@@ -962,19 +1023,41 @@ impl SlotTable {
         store: &impl SharedData,
         ids: &[&str],
         now_ms: u64,
+        decide: impl FnMut(&mut [Record]) -> Txn<T>,
+        refund: impl Fn(usize, &Record, &Record, &mut Record),
+    ) -> Result<Transacted<T>, TableError> {
+        let mut buffers = Buffers::take();
+        let result = self.transact_in(&mut buffers, store, ids, now_ms, decide, refund);
+        buffers.give_back();
+        result
+    }
+
+    fn transact_in<T>(
+        &self,
+        buffers: &mut Buffers,
+        store: &impl SharedData,
+        ids: &[&str],
+        now_ms: u64,
         mut decide: impl FnMut(&mut [Record]) -> Txn<T>,
         refund: impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<Transacted<T>, TableError> {
+        let Buffers {
+            groups,
+            places,
+            before,
+            records,
+            write,
+        } = buffers;
         for _ in 0..MAX_ATTEMPTS {
-            let mut groups: Vec<Group> = Vec::new();
-            let mut places: Vec<Place> = Vec::with_capacity(ids.len());
-            let mut before: Vec<Record> = Vec::with_capacity(ids.len());
+            groups.clear();
+            places.clear();
+            before.clear();
             let mut next_rank = 0;
             for id in ids {
                 let probe = self.candidate_groups(id);
                 let mut found = None;
                 for &index in probe.as_slice() {
-                    let group = self.group_at(store, &mut groups, index)?;
+                    let group = self.group_at(store, groups, index)?;
                     if let Some((slot, record)) = groups.get(group).and_then(|g| g.find(id)) {
                         found = Some((group, slot, record));
                         break;
@@ -993,14 +1076,13 @@ impl SlotTable {
                 // A new key: every candidate was read; placing it looks at all their slots.
                 let mut candidates = Vec::with_capacity(PROBE_GROUPS);
                 for &index in probe.as_slice() {
-                    let group = self.group_at(store, &mut groups, index)?;
+                    let group = self.group_at(store, groups, index)?;
                     if let Some(g) = groups.get_mut(group) {
                         g.decode_slots();
                     }
                     candidates.push(group);
                 }
-                let (group, slot, evicts) =
-                    Self::choose(&groups, &candidates, &places, ids, now_ms)?;
+                let (group, slot, evicts) = Self::choose(groups, &candidates, places, ids, now_ms)?;
                 if let Some(g) = groups.get_mut(group) {
                     if g.rank.is_none() {
                         g.rank = Some(next_rank);
@@ -1020,8 +1102,9 @@ impl SlotTable {
                 });
                 before.push(Record::fresh(id));
             }
-            let mut records = before.clone();
-            let value = match decide(&mut records) {
+            records.clear();
+            records.extend(before.iter().cloned());
+            let value = match decide(records) {
                 Txn::Abort(value) => {
                     return Ok(Transacted {
                         value,
@@ -1031,7 +1114,7 @@ impl SlotTable {
                 }
                 Txn::Commit(value) => value,
             };
-            match self.write_all(store, &groups, &places, &before, &records, &refund) {
+            match self.write_all(store, groups, places, before, records, write, &refund) {
                 Ok(evictions) => {
                     return Ok(Transacted {
                         value,
@@ -1050,6 +1133,7 @@ impl SlotTable {
     /// every candidate of a key that is inserted (unchanged ones as read). Groups receiving a
     /// new key go last, in rank order, so an insert is visible only once its other candidates
     /// are known not to have changed since they were read.
+    #[allow(clippy::too_many_arguments)]
     fn write_all(
         &self,
         store: &impl SharedData,
@@ -1057,63 +1141,69 @@ impl SlotTable {
         places: &[Place],
         before: &[Record],
         records: &[Record],
+        scratch: &mut WriteScratch,
         refund: &impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<u32, WriteError> {
+        let WriteScratch {
+            order,
+            changed,
+            out,
+        } = scratch;
+        // Which items changed, compared once.
+        changed.clear();
+        changed.extend(before.iter().zip(records).map(|(old, new)| old != new));
         let changes = || {
             places
                 .iter()
-                .zip(before)
                 .zip(records)
-                .filter(|((_, old), new)| old != new)
+                .zip(changed.iter())
+                .filter(|(_, changed)| **changed)
+                .map(|(item, _)| item)
         };
-        let mut order: Vec<usize> = (0..groups.len())
-            .filter(|index| {
-                changes().any(|((place, _), _)| {
-                    place.group == *index || place.candidates.contains(index)
-                })
-            })
-            .collect();
+        order.clear();
+        order.extend((0..groups.len()).filter(|index| {
+            changes().any(|(place, _)| place.group == *index || place.candidates.contains(index))
+        }));
         order.sort_by_key(|index| {
             groups
                 .get(*index)
                 .and_then(|g| g.rank)
                 .map_or((0, 0), |r| (1, r))
         });
+        // Whether the transaction changes a record of the group (else its write only confirms
+        // that nothing changed since it was read).
+        let changes_group = |index: usize| {
+            changes().any(|(place, _)| place.group == index && place.slot < GROUP_SLOTS)
+        };
         let mut evictions = 0;
-        let mut written: Vec<usize> = Vec::new();
-        for index in order {
+        for (position, &index) in order.iter().enumerate() {
             let Some(group) = groups.get(index) else {
                 continue;
             };
-            let mut changed = false;
-            for ((place, _), _) in changes() {
-                if place.group == index && place.slot < GROUP_SLOTS {
-                    changed = true;
-                    if place.evicts {
-                        evictions += 1;
-                    }
-                }
-            }
-            let spliced;
+            let changed = changes_group(index);
+            evictions += changes()
+                .filter(|(place, _)| {
+                    place.group == index && place.slot < GROUP_SLOTS && place.evicts
+                })
+                .count() as u32;
             let value = if changed {
-                spliced = splice_group(&group.raw, |slot| {
+                splice_group(out, &group.raw, |slot| {
                     changes()
-                        .find(|((place, _), _)| place.group == index && place.slot == slot)
+                        .find(|(place, _)| place.group == index && place.slot == slot)
                         .map(|(_, new)| new)
                 });
-                spliced.as_slice()
+                out.as_slice()
             } else {
                 group.raw.as_slice()
             };
-            let name = self.group_name(group.index);
-            if let Err(error) = store.set(name.as_str(), value, Some(group.cas)) {
-                for &undo in &written {
-                    self.refund_group(store, groups, undo, places, before, records, refund);
+            if let Err(error) = store.set(group.name.as_str(), value, Some(group.cas)) {
+                // Undo what the groups written before this one changed.
+                for &undo in order.iter().take(position) {
+                    if changes_group(undo) {
+                        self.refund_group(store, groups, undo, places, before, records, refund);
+                    }
                 }
                 return Err(error);
-            }
-            if changed {
-                written.push(index);
             }
         }
         Ok(evictions)
@@ -1151,7 +1241,7 @@ impl SlotTable {
                 }
             }
             match store.set(
-                self.group_name(index).as_str(),
+                current.name.as_str(),
                 &encode_group(&slots),
                 Some(current.cas),
             ) {
