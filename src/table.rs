@@ -481,9 +481,9 @@ impl Group {
         }
     }
 
-    /// The slot holding `id`'s record and the record, decoding only that one (the first slot
-    /// whose record has the id, as in the decoded slots).
-    fn find(&self, id: &str) -> Option<(usize, Record)> {
+    /// The slot holding `id`'s record, with the record pushed onto `out`, decoding only that
+    /// one (the first slot whose record has the id, as in the decoded slots).
+    fn find_into(&self, id: &str, out: &mut Vec<Record>) -> Option<usize> {
         slot_spans(&self.raw)
             .iter()
             .enumerate()
@@ -492,7 +492,8 @@ impl Group {
                 if entry_id(entry)? != id.as_bytes() {
                     return None;
                 }
-                Some((slot, decode(entry)?))
+                out.push(decode(entry)?);
+                Some(slot)
             })
     }
 }
@@ -630,22 +631,24 @@ struct WriteScratch {
 }
 
 thread_local! {
-    static BUFFERS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
+    static BUFFERS: std::cell::RefCell<Option<Box<Buffers>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 impl Buffers {
-    /// The thread's buffers (fresh ones if a transaction of this thread holds them).
-    fn take() -> Self {
+    /// The thread's buffers (fresh ones on first use, or if a transaction of this thread holds
+    /// them).
+    fn take() -> Box<Self> {
         BUFFERS
-            .try_with(|b| b.try_borrow_mut().map(|mut b| std::mem::take(&mut *b)))
+            .try_with(|b| b.try_borrow_mut().ok().and_then(|mut b| b.take()))
             .ok()
-            .and_then(Result::ok)
+            .flatten()
             .unwrap_or_default()
     }
 
     /// Empties the lists (dropping the records and groups they hold) and keeps their capacity
     /// for the thread's next transaction.
-    fn give_back(mut self) {
+    fn give_back(mut self: Box<Self>) {
         self.groups.clear();
         self.places.clear();
         self.before.clear();
@@ -654,7 +657,7 @@ impl Buffers {
         self.write.out.clear();
         let _ = BUFFERS.try_with(|b| {
             if let Ok(mut b) = b.try_borrow_mut() {
-                *b = self;
+                *b = Some(self);
             }
         });
     }
@@ -1058,19 +1061,18 @@ impl SlotTable {
                 let mut found = None;
                 for &index in probe.as_slice() {
                     let group = self.group_at(store, groups, index)?;
-                    if let Some((slot, record)) = groups.get(group).and_then(|g| g.find(id)) {
-                        found = Some((group, slot, record));
+                    if let Some(slot) = groups.get(group).and_then(|g| g.find_into(id, before)) {
+                        found = Some((group, slot));
                         break;
                     }
                 }
-                if let Some((group, slot, record)) = found {
+                if let Some((group, slot)) = found {
                     places.push(Place {
                         group,
                         slot,
                         evicts: false,
                         candidates: Vec::new(),
                     });
-                    before.push(record);
                     continue;
                 }
                 // A new key: every candidate was read; placing it looks at all their slots.
