@@ -1065,3 +1065,49 @@ proptest::proptest! {
         proptest::prop_assert!(any <= spread_bound(4 * fair), "any {}", any);
     }
 }
+
+#[test]
+fn a_write_changes_only_its_slot_and_copies_the_others_as_read() {
+    // A group holding the key's record, a record of an older layout (tag 1, reads as empty)
+    // and another key's record: charging the key re-encodes its slot only; the other slots'
+    // bytes are written back exactly as read.
+    let store = MemorySharedData::default();
+    let table = open(&store, 16);
+    let key = "p:k";
+    let group = table.candidates(key)[0];
+    let l = limits(10);
+    let mut other = Record::fresh("p:other");
+    other.bucket = Some(BucketState {
+        tokens: 3.0,
+        updated_ms: 5,
+    });
+    other.evictable_at_ms = u64::MAX;
+    let old_layout: &[u8] = &[1, 1, 0, b'x', 0, 0, 0, 0, 0, 0, 0, 0];
+    let mut before = vec![TAG_GROUP];
+    push_entry(&mut before, Some(&Record::fresh(key)));
+    before.extend_from_slice(&(old_layout.len() as u16).to_le_bytes());
+    before.extend_from_slice(old_layout);
+    push_entry(&mut before, Some(&other));
+    push_entry(&mut before, None);
+    store.set(&table.group_key(group), &before, None).unwrap();
+    let charge = [Charge {
+        bucket_id: key,
+        limits: &l,
+        cost: 1,
+    }];
+    assert!(table.charge(&store, &charge, 1_000).unwrap().allowed);
+    let (after, _) = store.get(&table.group_key(group)).unwrap();
+    let after = after.unwrap();
+    let spans = (slot_spans(&before), slot_spans(&after));
+    for slot in 1..GROUP_SLOTS {
+        let bytes = |raw: &[u8], spans: &[Option<std::ops::Range<usize>>; GROUP_SLOTS]| {
+            spans[slot].clone().map(|s| raw[s].to_vec())
+        };
+        assert_eq!(bytes(&before, &spans.0), bytes(&after, &spans.1), "{slot}");
+    }
+    let slots = decode_group(&after);
+    assert_eq!(slots[0].as_ref().unwrap().bucket.unwrap().tokens, 9.0);
+    assert_eq!(slots[1], None);
+    assert_eq!(slots[2], Some(other));
+    assert_eq!(slots[3], None);
+}
