@@ -1111,3 +1111,67 @@ fn a_write_changes_only_its_slot_and_copies_the_others_as_read() {
     assert_eq!(slots[2], Some(other));
     assert_eq!(slots[3], None);
 }
+
+#[test]
+fn a_reload_that_moves_keys_keeps_or_restarts_each_keys_state_never_mixes_it() {
+    // The same shared data under the table of a new configuration (one more policy: `p`'s
+    // region moves), while workers of the old configuration still run: each table finds a key
+    // by its exact id, so a key either keeps its record or starts a fresh one, and every unit
+    // charged is in exactly one record of that key.
+    let store = MemorySharedData::default();
+    let old = open(&store, 256).partitioned(["p"]);
+    let new = open(&store, 256).partitioned(["q", "p"]);
+    let l = limits(100);
+    let keys: Vec<String> = (0..40).map(|i| format!("p:t{i}")).collect();
+    let cost = |i: usize| (i % 7) as u64 + 1;
+    let mut charged = vec![0u64; keys.len()];
+    let charge = |table: &SlotTable, i: usize, now| {
+        let c = [Charge {
+            bucket_id: &keys[i],
+            limits: &l,
+            cost: cost(i),
+        }];
+        assert!(table.charge(&store, &c, now).unwrap().allowed);
+    };
+    for (i, total) in charged.iter_mut().enumerate() {
+        charge(&old, i, 1_000);
+        *total += cost(i);
+    }
+    let (mut kept, mut fresh) = (0, 0);
+    for (round, now) in [2_000u64, 3_000, 4_000].into_iter().enumerate() {
+        for (i, total) in charged.iter_mut().enumerate() {
+            // Live traffic on both configurations, in turn.
+            let table = if (i + round) % 2 == 0 { &new } else { &old };
+            if round == 0 {
+                let found = table
+                    .transact(
+                        &store,
+                        &[keys[i].as_str()],
+                        now,
+                        |r| Txn::Abort(r[0].bucket.is_some()),
+                        |_, _, _, _| {},
+                    )
+                    .unwrap()
+                    .value;
+                if found {
+                    kept += 1;
+                } else {
+                    fresh += 1;
+                }
+            }
+            charge(table, i, now);
+            *total += cost(i);
+        }
+    }
+    assert!(kept > 0 && fresh > 0, "kept {kept}, fresh {fresh}");
+    let records = all_records(&store, &new);
+    for (i, key) in keys.iter().enumerate() {
+        let held: Vec<_> = records.iter().filter(|(_, r)| r.id == *key).collect();
+        assert!(!held.is_empty() && held.len() <= 2, "{key}: {held:?}");
+        let spent: f64 = held
+            .iter()
+            .map(|(_, r)| 100.0 - r.bucket.unwrap().tokens)
+            .sum();
+        assert!((spent - charged[i] as f64).abs() < 0.01, "{key}: {spent}");
+    }
+}
