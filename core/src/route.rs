@@ -121,7 +121,11 @@ impl fmt::Display for RouteTemplate {
 /// The path part of a request target: query and fragment cut, bounded in length.
 /// `None` for something that is not an origin-form path.
 pub fn normalize_path(raw: &str) -> Option<&str> {
-    let end = raw.find(['?', '#']).unwrap_or(raw.len());
+    // Both are ASCII, so a byte search finds the same (char boundary) position.
+    let end = raw
+        .bytes()
+        .position(|b| b == b'?' || b == b'#')
+        .unwrap_or(raw.len());
     let path = raw.get(..end)?;
     if !path.starts_with('/') || path.len() > MAX_PATH_BYTES {
         return None;
