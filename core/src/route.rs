@@ -100,10 +100,14 @@ impl RouteTemplate {
         let Some(path) = normalize_path(path) else {
             return false;
         };
-        let mut pieces = split_path(path);
+        // Split as bytes (`/` is ASCII): the same pieces as `split_path`, without a char search.
+        let body = path.strip_prefix('/').unwrap_or(path);
+        let body = body.strip_suffix('/').unwrap_or(body).as_bytes();
+        let empty = body.is_empty();
+        let mut pieces = body.split(|b| *b == b'/').filter(move |_| !empty);
         for segment in &self.segments {
             match (segment, pieces.next()) {
-                (Segment::Literal(lit), Some(piece)) if lit == piece => {}
+                (Segment::Literal(lit), Some(piece)) if lit.as_bytes() == piece => {}
                 (Segment::Param, Some(piece)) if !piece.is_empty() => {}
                 _ => return false,
             }
