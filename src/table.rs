@@ -168,13 +168,24 @@ impl Clone for Record {
     /// Reuses the id's and the log's buffers (a transaction copies its records into a list
     /// kept per thread).
     fn clone_from(&mut self, source: &Self) {
-        self.id.clone_from(&source.id);
-        self.bucket = source.bucket;
-        self.lease = source.lease;
-        self.in_flight = source.in_flight;
-        self.counters = source.counters;
-        self.log.clone_from(&source.log);
-        self.evictable_at_ms = source.evictable_at_ms;
+        // Every field by name: a field added to `Record` fails to compile here until it is
+        // copied too.
+        let Record {
+            id,
+            bucket,
+            lease,
+            in_flight,
+            counters,
+            log,
+            evictable_at_ms,
+        } = source;
+        self.id.clone_from(id);
+        self.bucket = *bucket;
+        self.lease = *lease;
+        self.in_flight = *in_flight;
+        self.counters = *counters;
+        self.log.clone_from(log);
+        self.evictable_at_ms = *evictable_at_ms;
     }
 }
 

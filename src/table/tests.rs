@@ -1175,3 +1175,33 @@ fn a_reload_that_moves_keys_keeps_or_restarts_each_keys_state_never_mixes_it() {
         assert!((spent - charged[i] as f64).abs() < 0.01, "{key}: {spent}");
     }
 }
+
+#[test]
+fn clone_from_copies_every_field() {
+    let mut source = Record::fresh("p:source");
+    source.bucket = Some(BucketState {
+        tokens: 2.5,
+        updated_ms: 9,
+    });
+    source.lease.tokens = 7;
+    source.lease.debt = 3;
+    source.in_flight.counts[0] = 2;
+    source.counters = Some(Counters {
+        window: 4,
+        count: 5,
+        previous: 6,
+    });
+    source.log = Some(Log {
+        times: vec![1, 2, 3],
+        seen_ms: 3,
+    });
+    source.evictable_at_ms = 11;
+    let mut target = Record::fresh("p:a-longer-id-whose-buffer-is-reused");
+    target.log = Some(Log {
+        times: vec![9; 10],
+        seen_ms: 9,
+    });
+    target.clone_from(&source);
+    assert_eq!(target, source);
+    assert_eq!(source.clone(), source);
+}
