@@ -904,15 +904,52 @@ impl SlotTable {
     /// The candidate groups of `id`, in probe order: distinct, in its region.
     #[cfg(test)]
     fn candidates(&self, id: &str) -> Vec<u32> {
-        self.candidate_groups(id).as_slice().to_vec()
+        self.probe(id).groups(PROBE_GROUPS).as_slice().to_vec()
     }
 
-    /// The candidate groups of `id`, in probe order: distinct, in its region. One keyed hash
-    /// of the id; each candidate is a word mixed from it.
-    fn candidate_groups(&self, id: &str) -> Candidates {
-        let region = self.region_of(id);
-        let hash = hash::sip13(self.hash_key, id.as_bytes());
-        let count = PROBE_GROUPS.min(usize::try_from(region.groups).unwrap_or(PROBE_GROUPS));
+    /// What `id`'s candidates are computed from: its region and its keyed hash (one hash of
+    /// the id; each candidate is a word mixed from it).
+    fn probe(&self, id: &str) -> Probe {
+        Probe {
+            region: self.region_of(id),
+            hash: hash::sip13(self.hash_key, id.as_bytes()),
+        }
+    }
+
+    /// Reads `indices` in order until a group holds `id`'s record, which is pushed onto
+    /// `before`: the group's position in `groups` and the slot.
+    fn find_in(
+        &self,
+        store: &impl SharedData,
+        groups: &mut Vec<Group>,
+        indices: &[u32],
+        id: &str,
+        before: &mut Vec<Record>,
+    ) -> Result<Option<(usize, usize)>, TableError> {
+        for &index in indices {
+            let group = self.group_at(store, groups, index)?;
+            if let Some(slot) = groups.get(group).and_then(|g| g.find_into(id, before)) {
+                return Ok(Some((group, slot)));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// A key's region and keyed hash, from which its candidate groups come.
+struct Probe {
+    region: Region,
+    hash: u64,
+}
+
+impl Probe {
+    /// The first `limit` candidate groups, in probe order: distinct, in the region (the first
+    /// ones are the same whatever the limit).
+    fn groups(&self, limit: usize) -> Candidates {
+        let Probe { region, hash } = *self;
+        let count = limit
+            .min(PROBE_GROUPS)
+            .min(usize::try_from(region.groups).unwrap_or(PROBE_GROUPS));
         let mut out = Candidates {
             groups: [0; PROBE_GROUPS],
             len: 0,
@@ -932,7 +969,9 @@ impl SlotTable {
         }
         out
     }
+}
 
+impl SlotTable {
     fn read(&self, store: &impl SharedData, index: u32) -> Result<Group, TableError> {
         let name = self.group_name(index);
         if let Some(group) = self.try_read(store, &name, index)? {
@@ -1095,15 +1134,19 @@ impl SlotTable {
             before.clear();
             let mut next_rank = 0;
             for id in ids {
-                let probe = self.candidate_groups(id);
-                let mut found = None;
-                for &index in probe.as_slice() {
-                    let group = self.group_at(store, groups, index)?;
-                    if let Some(slot) = groups.get(group).and_then(|g| g.find_into(id, before)) {
-                        found = Some((group, slot));
-                        break;
-                    }
-                }
+                // Most keys live in their first candidate: the others are computed only when
+                // it does not hold the key.
+                let probe = self.probe(id);
+                let first = probe.groups(1);
+                let mut found = self.find_in(store, groups, first.as_slice(), id, before)?;
+                let probe = if found.is_none() {
+                    let all = probe.groups(PROBE_GROUPS);
+                    let rest = all.as_slice().get(1..).unwrap_or_default();
+                    found = self.find_in(store, groups, rest, id, before)?;
+                    all
+                } else {
+                    first
+                };
                 if let Some((group, slot)) = found {
                     places.push(Place {
                         group,
