@@ -7,7 +7,7 @@
 //! is bounded whatever the request carries.
 
 use tollgate_core::identity::{api_key_digest, ip_from_forwarded_for, ip_from_socket_address};
-use tollgate_core::key::{escape_part, join_parts, ANONYMOUS_PART};
+use tollgate_core::key::{escape_part_into, ANONYMOUS_PART};
 use tollgate_core::policy::{KeyPart, Policy};
 
 /// Read access to the request being decided.
@@ -45,50 +45,80 @@ pub fn build_key(
     source: &impl RequestSource,
     anonymous: bool,
 ) -> PolicyKey {
-    let mut parts = Vec::with_capacity(policy.key.len());
-    for part in &policy.key {
-        let value = match part {
-            KeyPart::Header(name) => source
-                .header(name)
-                .filter(|v| !v.is_empty())
-                .map(|v| escape_part(&v)),
-            KeyPart::ApiKey(name) => source
-                .header(name)
-                .filter(|v| !v.is_empty())
-                .map(|v| escape_part(api_key_digest(&v).as_bytes())),
+    // One buffer for the whole key: each part escaped into it, `:` between parts (the form
+    // `join_parts` gives).
+    let mut key = String::with_capacity(64);
+    for (i, part) in policy.key.iter().enumerate() {
+        if i > 0 {
+            key.push(':');
+        }
+        let present = match part {
+            KeyPart::Header(name) => escaped(&mut key, source.header(name)),
+            KeyPart::ApiKey(name) => escaped(
+                &mut key,
+                source
+                    .header(name)
+                    .filter(|v| !v.is_empty())
+                    .map(|v| api_key_digest(&v).into_bytes()),
+            ),
             KeyPart::JwtClaim { path } => {
                 let path: Vec<&str> = path.iter().map(String::as_str).collect();
-                source
-                    .property(&path)
-                    .filter(|v| !v.is_empty())
-                    .map(|v| escape_part(&v))
+                escaped(&mut key, source.property(&path))
             }
             // Envoy's client address (`source.address`): the connection's peer with
             // `use_remote_address: true`, or what its `xff_num_trusted_hops` picked.
-            KeyPart::ClientIp { trusted_hops: 0 } => {
-                client_address(source).map(|ip| escape_part(ip.to_string().as_bytes()))
-            }
+            KeyPart::ClientIp { trusted_hops: 0 } => escaped(
+                &mut key,
+                client_address(source).map(|ip| ip.to_string().into_bytes()),
+            ),
             // The entry Envoy's `xff_num_trusted_hops: N` would pick; when there is none (too
             // few entries, or not an IP), Envoy's client address, as Envoy falls back to the
             // connection's. A client never chooses its key by sending a short or garbled header.
-            KeyPart::ClientIp { trusted_hops } => source
-                .header("x-forwarded-for")
-                .and_then(|xff| {
-                    ip_from_forwarded_for(&String::from_utf8_lossy(&xff), *trusted_hops)
-                })
-                .or_else(|| client_address(source))
-                .map(|ip| escape_part(ip.to_string().as_bytes())),
-            KeyPart::Constant(escaped) => Some(escaped.clone()),
-            KeyPart::Route => route.map(|r| escape_part(r.as_bytes())),
-            KeyPart::Method => Some(escape_part(facts.method.as_bytes())),
+            KeyPart::ClientIp { trusted_hops } => escaped(
+                &mut key,
+                source
+                    .header("x-forwarded-for")
+                    .and_then(|xff| {
+                        ip_from_forwarded_for(&String::from_utf8_lossy(&xff), *trusted_hops)
+                    })
+                    .or_else(|| client_address(source))
+                    .map(|ip| ip.to_string().into_bytes()),
+            ),
+            KeyPart::Constant(escaped) => {
+                key.push_str(escaped);
+                true
+            }
+            KeyPart::Route => match route {
+                Some(r) => {
+                    escape_part_into(&mut key, r.as_bytes());
+                    true
+                }
+                None => false,
+            },
+            KeyPart::Method => {
+                escape_part_into(&mut key, facts.method.as_bytes());
+                true
+            }
         };
-        match value {
-            Some(value) => parts.push(value),
-            None if anonymous => parts.push(ANONYMOUS_PART.to_string()),
-            None => return PolicyKey::Missing,
+        if !present {
+            if !anonymous {
+                return PolicyKey::Missing;
+            }
+            key.push_str(ANONYMOUS_PART);
         }
     }
-    PolicyKey::Key(join_parts(&parts))
+    PolicyKey::Key(key)
+}
+
+/// Escapes a non-empty value into the key; `false` when it is absent or empty.
+fn escaped(key: &mut String, value: Option<Vec<u8>>) -> bool {
+    match value {
+        Some(value) if !value.is_empty() => {
+            escape_part_into(key, &value);
+            true
+        }
+        _ => false,
+    }
 }
 
 /// Envoy's client address of the request (`source.address`).

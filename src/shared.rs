@@ -110,7 +110,10 @@ impl SharedData for MemorySharedData {
                         return Err(WriteError::CasMismatch);
                     }
                 }
-                *entry = (value.to_vec(), stamp);
+                // The value's buffer is reused, as the native build's process store does.
+                entry.0.clear();
+                entry.0.extend_from_slice(value);
+                entry.1 = stamp;
             }
             None => {
                 map.insert(key.to_string(), (value.to_vec(), stamp));

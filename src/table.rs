@@ -9,9 +9,13 @@
 //! without regions) use the whole table.
 //!
 //! **Placement.** A key has [`PROBE_GROUPS`] distinct candidate groups in its region, chosen by a
-//! hash keyed by a per-process salt (so clients cannot aim at each other's slots), always probed
+//! hash keyed by a per-process salt (SipHash-1-3, [`hash`]: clients that do not know the salt
+//! cannot aim at each other's slots; the tests `hostile_id_sets_cannot_concentrate_keys` and
+//! `ids_aimed_with_a_guessed_salt_do_not_concentrate` bound any group's share), always probed
 //! in the same order, and it lives in one slot of one of them. A lookup reads the candidates in
-//! order and stops at the group holding the id. A new key goes to the first candidate with at
+//! order and stops at the group holding the id; it compares ids in the group's bytes and
+//! decodes only the record it finds, and a write re-encodes only the changed slots, copying
+//! the other slots' bytes as read. A new key goes to the first candidate with at
 //! least two free slots, else to the candidate with the most; a slot is free when it is empty or
 //! its record is evictable (`evictable_at_ms` has passed: an idle record equals a fresh one, so
 //! eviction loses nothing). In that group it takes an empty slot, else the one idle longest. A
@@ -19,7 +23,7 @@
 //! for that key and the caller applies the policy's failure mode. Choosing among four groups
 //! instead of hashing to one keeps a region's groups evenly filled: with one group, a key was
 //! refused as soon as four live keys shared its group (0.5 % of new keys at 17 % occupancy);
-//! with four candidates, none in 10^6 at 50 % and 6 in 10^6 at 60 % (the test
+//! with four candidates, none in 10^6 at 50 % and 8 in 10^6 at 60 % (the test
 //! `fallback_rate_by_occupancy` measures it). Preferring the first candidate while it has room
 //! keeps most lookups at one read.
 //!
@@ -43,15 +47,18 @@
 //! nothing, and a lost race while writing refunds what was already written before trying
 //! again, within [`MAX_ATTEMPTS`].
 //!
-//! Changing `local_table.slots` or the number of policies moves keys to other groups: their
+//! Changing `local_table.slots` or the number of policies (or a filter build whose placement
+//! hash differs, as with the move from SHA-256 to SipHash) moves keys to other groups: their
 //! local state starts fresh, and the records left behind are idle after one refill and evicted
-//! like any other.
+//! like any other. A record is only ever found by its exact id, so a moved key never reads
+//! another's state.
 //!
 //! A slot holds one [`Record`]: the local token bucket of a (policy, key) and, for global
 //! policies, this instance's lease of the global budget with its bookkeeping.
 
+mod hash;
+
 use crate::shared::{SharedData, WriteError};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use tollgate_core::bucket::BucketState;
 use tollgate_core::in_flight::{Slots, EPOCHS};
@@ -59,8 +66,8 @@ use tollgate_core::window::{Counters, Log};
 
 /// Slots per group: the slots under one CAS stamp.
 pub const GROUP_SLOTS: usize = 4;
-/// Candidate groups of a key (fewer in a region of fewer groups): each takes 8 bytes of the
-/// SHA-256 of the salted id, so at most 4.
+/// Candidate groups of a key (fewer in a region of fewer groups), each from a word of the
+/// id's keyed hash ([`hash`]).
 pub const PROBE_GROUPS: usize = 4;
 /// Attempts at a CAS transaction before giving up with [`TableError::Contended`].
 pub const MAX_ATTEMPTS: u32 = 8;
@@ -129,7 +136,7 @@ pub struct Lease {
 }
 
 /// The state of one (policy, key) on this Envoy instance.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub struct Record {
     pub id: String,
     /// Local token bucket; `None` means full (never used, or refilled).
@@ -143,6 +150,43 @@ pub struct Record {
     pub log: Option<Log>,
     /// From this time the record equals a fresh one, so its slot may go to another key.
     pub evictable_at_ms: u64,
+}
+
+impl Clone for Record {
+    fn clone(&self) -> Self {
+        Self {
+            id: self.id.clone(),
+            bucket: self.bucket,
+            lease: self.lease,
+            in_flight: self.in_flight,
+            counters: self.counters,
+            log: self.log.clone(),
+            evictable_at_ms: self.evictable_at_ms,
+        }
+    }
+
+    /// Reuses the id's and the log's buffers (a transaction copies its records into a list
+    /// kept per thread).
+    fn clone_from(&mut self, source: &Self) {
+        // Every field by name: a field added to `Record` fails to compile here until it is
+        // copied too.
+        let Record {
+            id,
+            bucket,
+            lease,
+            in_flight,
+            counters,
+            log,
+            evictable_at_ms,
+        } = source;
+        self.id.clone_from(id);
+        self.bucket = *bucket;
+        self.lease = *lease;
+        self.in_flight = *in_flight;
+        self.counters = *counters;
+        self.log.clone_from(log);
+        self.evictable_at_ms = *evictable_at_ms;
+    }
 }
 
 impl Record {
@@ -176,11 +220,19 @@ const HAS_LOG: u8 = 16;
 /// Bytes of window counters.
 const COUNTERS_BYTES: usize = 24;
 
+#[cfg(test)]
 fn encode(record: &Record) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + 2 + record.id.len() + FIXED_BYTES);
+    encode_into(record, &mut out);
+    out
+}
+
+/// Appends the record's encoding to `out` (a group is written in one buffer).
+fn encode_into(record: &Record, out: &mut Vec<u8>) {
     let id = record.id.as_bytes();
     let len = u16::try_from(id.len()).unwrap_or(u16::MAX);
     let id = id.get(..usize::from(len)).unwrap_or(id);
-    let mut out = Vec::with_capacity(1 + 2 + id.len() + FIXED_BYTES);
+    out.reserve(1 + 2 + id.len() + FIXED_BYTES);
     out.push(TAG_RECORD);
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(id);
@@ -209,7 +261,7 @@ fn encode(record: &Record) -> Vec<u8> {
         out.extend_from_slice(&bucket.updated_ms.to_le_bytes());
     }
     if has_lease {
-        encode_lease(l, &mut out);
+        encode_lease(l, out);
     }
     if has_slots {
         out.extend_from_slice(&record.in_flight.epoch.to_le_bytes());
@@ -232,7 +284,6 @@ fn encode(record: &Record) -> Vec<u8> {
         }
     }
     out.extend_from_slice(&record.evictable_at_ms.to_le_bytes());
-    out
 }
 
 fn encode_lease(l: &Lease, out: &mut Vec<u8>) {
@@ -428,10 +479,15 @@ pub struct Transacted<T> {
 #[derive(Debug, Clone)]
 struct Group {
     index: u32,
+    /// Its shared-data key.
+    name: GroupName,
     cas: u32,
-    /// The value as read: what a confirming write puts back.
+    /// The value as read: what a confirming write puts back, and what a write changes only
+    /// the slots of (the other slots' bytes are copied, never decoded).
     raw: Vec<u8>,
-    slots: Vec<Option<Record>>,
+    /// Every slot decoded: only when a new key is placed in the group (a lookup decodes just
+    /// the record it finds).
+    slots: Option<Vec<Option<Record>>>,
     /// Receives a new key of this transaction: written after the groups without one, in the
     /// order of this rank.
     rank: Option<usize>,
@@ -450,22 +506,124 @@ struct Place {
     candidates: Vec<usize>,
 }
 
+impl Group {
+    /// The decoded slots (empty until [`Group::decode_slots`]).
+    fn slots(&self) -> &[Option<Record>] {
+        self.slots.as_deref().unwrap_or(&[])
+    }
+
+    fn decode_slots(&mut self) {
+        if self.slots.is_none() {
+            self.slots = Some(decode_group(&self.raw));
+        }
+    }
+
+    /// The slot holding `id`'s record, with the record pushed onto `out`, decoding only that
+    /// one (the first slot whose record has the id, as in the decoded slots).
+    fn find_into(&self, id: &str, out: &mut Vec<Record>) -> Option<usize> {
+        slot_spans(&self.raw)
+            .iter()
+            .enumerate()
+            .find_map(|(slot, span)| {
+                let entry = self.raw.get(span.clone()?)?;
+                if entry_id(entry)? != id.as_bytes() {
+                    return None;
+                }
+                out.push(decode(entry)?);
+                Some(slot)
+            })
+    }
+}
+
+/// A slot's entry: its length, then the record's bytes (a length of 0 for an empty slot, or
+/// a record too long to encode).
+fn push_entry(out: &mut Vec<u8>, record: Option<&Record>) {
+    let at = out.len();
+    out.extend_from_slice(&0u16.to_le_bytes());
+    let Some(record) = record else {
+        return;
+    };
+    encode_into(record, out);
+    match u16::try_from(out.len() - at - 2) {
+        Ok(len) => {
+            if let Some(prefix) = out.get_mut(at..at + 2) {
+                prefix.copy_from_slice(&len.to_le_bytes());
+            }
+        }
+        Err(_) => out.truncate(at + 2),
+    }
+}
+
 fn encode_group(slots: &[Option<Record>]) -> Vec<u8> {
     let mut out = vec![TAG_GROUP];
     for slot in slots {
-        match slot {
-            Some(record) => {
-                let bytes = encode(record);
-                let len = u16::try_from(bytes.len()).unwrap_or(0);
-                out.extend_from_slice(&len.to_le_bytes());
-                if len > 0 {
-                    out.extend_from_slice(&bytes);
-                }
-            }
-            None => out.extend_from_slice(&0u16.to_le_bytes()),
-        }
+        push_entry(&mut out, slot.as_ref());
     }
     out
+}
+
+/// The group `raw` with the slots `replace` gives a record for re-encoded, and every other
+/// slot's entry copied as it was read (an unreadable group's other slots become empty, as
+/// they read).
+fn splice_group<'a>(out: &mut Vec<u8>, raw: &[u8], replace: impl Fn(usize) -> Option<&'a Record>) {
+    let spans = slot_spans(raw);
+    out.clear();
+    out.reserve(raw.len() + 64);
+    out.push(TAG_GROUP);
+    for (slot, span) in spans.iter().enumerate() {
+        match replace(slot) {
+            Some(record) => push_entry(out, Some(record)),
+            None => match span.clone().and_then(|span| raw.get(span)) {
+                Some(entry) => {
+                    let len = u16::try_from(entry.len()).unwrap_or(0);
+                    out.extend_from_slice(&len.to_le_bytes());
+                    if len > 0 {
+                        out.extend_from_slice(entry);
+                    }
+                }
+                None => out.extend_from_slice(&0u16.to_le_bytes()),
+            },
+        }
+    }
+}
+
+/// Where each slot's record bytes are in a group's value, as [`decode_group`] reads them:
+/// `None` for an empty slot, and for every slot from the first one that is cut short (or
+/// all of them, in a value that is no group).
+fn slot_spans(bytes: &[u8]) -> [Option<std::ops::Range<usize>>; GROUP_SLOTS] {
+    let mut spans: [Option<std::ops::Range<usize>>; GROUP_SLOTS] = Default::default();
+    if bytes.first() != Some(&TAG_GROUP) {
+        return spans;
+    }
+    let mut at = 1;
+    for span in spans.iter_mut() {
+        let Some(len) = bytes
+            .get(at..at + 2)
+            .and_then(|l| <[u8; 2]>::try_from(l).ok())
+        else {
+            break;
+        };
+        let len = usize::from(u16::from_le_bytes(len));
+        if bytes.get(at + 2..at + 2 + len).is_none() {
+            break;
+        }
+        if len > 0 {
+            *span = Some(at + 2..at + 2 + len);
+        }
+        at += 2 + len;
+    }
+    spans
+}
+
+/// The id of a record's bytes, without decoding the rest (`None`: not a record of this
+/// version).
+fn entry_id(entry: &[u8]) -> Option<&[u8]> {
+    let (&tag, rest) = entry.split_first()?;
+    if tag != TAG_RECORD {
+        return None;
+    }
+    let len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
+    rest.get(2..2 + len)
 }
 
 /// The slots of a group; anything unreadable reads as empty slots.
@@ -488,6 +646,126 @@ fn decode_group(bytes: &[u8]) -> Vec<Option<Record>> {
     slots
 }
 
+/// The working lists of a transaction, kept per thread between transactions: a worker's
+/// requests reuse their capacity instead of allocating them each time (bounded by the largest
+/// transaction the thread has made: a few records).
+#[derive(Default)]
+struct Buffers {
+    groups: Vec<Group>,
+    places: Vec<Place>,
+    before: Vec<Record>,
+    records: Vec<Record>,
+    write: WriteScratch,
+}
+
+/// What writing a transaction's groups works in: the groups in write order, which items
+/// changed, the group value being written.
+#[derive(Default)]
+struct WriteScratch {
+    order: Vec<usize>,
+    changed: Vec<bool>,
+    out: Vec<u8>,
+}
+
+thread_local! {
+    static BUFFERS: std::cell::RefCell<Option<Box<Buffers>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+impl Buffers {
+    /// The thread's buffers (fresh ones on first use, or if a transaction of this thread holds
+    /// them).
+    fn take() -> Box<Self> {
+        BUFFERS
+            .try_with(|b| b.try_borrow_mut().ok().and_then(|mut b| b.take()))
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    /// Empties the lists (dropping the records and groups they hold) and keeps their capacity
+    /// for the thread's next transaction.
+    fn give_back(mut self: Box<Self>) {
+        self.groups.clear();
+        self.places.clear();
+        self.before.clear();
+        // `records` keeps its records: the next transaction copies into their buffers. At
+        // most as many as the thread's largest transaction had.
+        // The value buffer keeps at most a group's worth of bytes.
+        self.write.out.clear();
+        let _ = BUFFERS.try_with(|b| {
+            if let Ok(mut b) = b.try_borrow_mut() {
+                *b = Some(self);
+            }
+        });
+    }
+}
+
+/// A key's candidate groups (at most [`PROBE_GROUPS`]), without a heap allocation.
+#[derive(Debug, Clone, Copy)]
+struct Candidates {
+    groups: [u32; PROBE_GROUPS],
+    len: usize,
+}
+
+impl Candidates {
+    fn as_slice(&self) -> &[u32] {
+        self.groups.get(..self.len).unwrap_or(&[])
+    }
+}
+
+/// Bytes of a group's shared-data key built on the stack; a longer prefix takes the heap.
+const GROUP_NAME_BYTES: usize = 96;
+
+/// A group's shared-data key, `<prefix>group/<n>`.
+#[derive(Debug, Clone)]
+enum GroupName {
+    Stack([u8; GROUP_NAME_BYTES], usize),
+    Heap(String),
+}
+
+impl GroupName {
+    fn new(prefix: &str, group: u32) -> Self {
+        // The group number's decimal digits, last first.
+        let mut digits = [0u8; 10];
+        let mut count = 0;
+        let mut n = group;
+        for digit in digits.iter_mut() {
+            *digit = b'0' + (n % 10) as u8;
+            count += 1;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        const MIDDLE: &[u8] = b"group/";
+        let len = prefix.len() + MIDDLE.len() + count;
+        let mut buf = [0u8; GROUP_NAME_BYTES];
+        let Some(out) = buf.get_mut(..len) else {
+            return GroupName::Heap(format!("{prefix}group/{group}"));
+        };
+        let (head, number) = out.split_at_mut(prefix.len() + MIDDLE.len());
+        let (p, m) = head.split_at_mut(prefix.len());
+        p.copy_from_slice(prefix.as_bytes());
+        m.copy_from_slice(MIDDLE);
+        for (dst, src) in number.iter_mut().zip(digits.iter().take(count).rev()) {
+            *dst = *src;
+        }
+        GroupName::Stack(buf, len)
+    }
+
+    fn as_str(&self) -> &str {
+        match self {
+            // The prefix is a `str` and the rest ASCII, so this never fails.
+            GroupName::Stack(buf, len) => buf
+                .get(..*len)
+                .and_then(|b| std::str::from_utf8(b).ok())
+                .unwrap_or_default(),
+            GroupName::Heap(name) => name,
+        }
+    }
+}
+
 /// A contiguous range of groups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Region {
@@ -502,6 +780,8 @@ pub struct SlotTable {
     /// Groups created by [`SlotTable::open`].
     groups: u32,
     salt: Vec<u8>,
+    /// The placement hash's key, from the salt.
+    hash_key: hash::Key,
     /// Region of each policy name; empty: the whole table is one region.
     regions: BTreeMap<String, Region>,
 }
@@ -527,6 +807,7 @@ impl SlotTable {
         let table = Self {
             prefix: prefix.to_string(),
             groups: slots.max(1).div_ceil(per_group),
+            hash_key: hash::Key::from_salt(&salt),
             salt,
             regions: BTreeMap::new(),
         };
@@ -605,6 +886,11 @@ impl SlotTable {
         format!("{}group/{group}", self.prefix)
     }
 
+    /// [`SlotTable::group_key`] on the stack: a lookup allocates no key name.
+    fn group_name(&self, group: u32) -> GroupName {
+        GroupName::new(&self.prefix, group)
+    }
+
     fn region_of(&self, id: &str) -> Region {
         id.split_once(':')
             .and_then(|(policy, _)| self.regions.get(policy))
@@ -616,57 +902,113 @@ impl SlotTable {
     }
 
     /// The candidate groups of `id`, in probe order: distinct, in its region.
+    #[cfg(test)]
     fn candidates(&self, id: &str) -> Vec<u32> {
-        let region = self.region_of(id);
-        let mut hasher = Sha256::new();
-        hasher.update(&self.salt);
-        hasher.update(id.as_bytes());
-        let digest = hasher.finalize();
-        let count = PROBE_GROUPS.min(usize::try_from(region.groups).unwrap_or(PROBE_GROUPS));
-        let mut out: Vec<u32> = Vec::with_capacity(count);
-        for chunk in digest.chunks_exact(8).take(count) {
-            let word = <[u8; 8]>::try_from(chunk).map_or(0, u64::from_le_bytes);
+        self.probe(id).groups(PROBE_GROUPS).as_slice().to_vec()
+    }
+
+    /// What `id`'s candidates are computed from: its region and its keyed hash (one hash of
+    /// the id; each candidate is a word mixed from it).
+    fn probe(&self, id: &str) -> Probe {
+        Probe {
+            region: self.region_of(id),
+            hash: hash::sip13(self.hash_key, id.as_bytes()),
+        }
+    }
+
+    /// Reads `indices` in order until a group holds `id`'s record, which is pushed onto
+    /// `before`: the group's position in `groups` and the slot.
+    fn find_in(
+        &self,
+        store: &impl SharedData,
+        groups: &mut Vec<Group>,
+        indices: &[u32],
+        id: &str,
+        before: &mut Vec<Record>,
+    ) -> Result<Option<(usize, usize)>, TableError> {
+        for &index in indices {
+            let group = self.group_at(store, groups, index)?;
+            if let Some(slot) = groups.get(group).and_then(|g| g.find_into(id, before)) {
+                return Ok(Some((group, slot)));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// A key's region and keyed hash, from which its candidate groups come.
+struct Probe {
+    region: Region,
+    hash: u64,
+}
+
+impl Probe {
+    /// The first `limit` candidate groups, in probe order: distinct, in the region (the first
+    /// ones are the same whatever the limit).
+    fn groups(&self, limit: usize) -> Candidates {
+        let Probe { region, hash } = *self;
+        let count = limit
+            .min(PROBE_GROUPS)
+            .min(usize::try_from(region.groups).unwrap_or(PROBE_GROUPS));
+        let mut out = Candidates {
+            groups: [0; PROBE_GROUPS],
+            len: 0,
+        };
+        for i in (0u32..).take(count) {
+            let word = hash::candidate_word(hash, i);
             let mut offset = (word % u64::from(region.groups)) as u32;
             // Taken by an earlier candidate: the next group of the region (there are at least
             // `count` of them, so this ends).
-            while out.contains(&(region.start + offset)) {
+            while out.as_slice().contains(&(region.start + offset)) {
                 offset = (offset + 1) % region.groups;
             }
-            out.push(region.start + offset);
+            if let Some(group) = out.groups.get_mut(out.len) {
+                *group = region.start + offset;
+                out.len += 1;
+            }
         }
         out
     }
+}
 
+impl SlotTable {
     fn read(&self, store: &impl SharedData, index: u32) -> Result<Group, TableError> {
-        let key = self.group_key(index);
-        if let Some(group) = self.try_read(store, &key, index)? {
+        let name = self.group_name(index);
+        if let Some(group) = self.try_read(store, &name, index)? {
             return Ok(group);
         }
         // Created at open (or, past the opened groups, on first use); recreate, then re-read.
-        create_if_absent(store, &key, &encode_group(&vec![None; GROUP_SLOTS]))?;
-        self.try_read(store, &key, index)?.ok_or(TableError::Host)
+        create_if_absent(
+            store,
+            name.as_str(),
+            &encode_group(&vec![None; GROUP_SLOTS]),
+        )?;
+        self.try_read(store, &name, index)?.ok_or(TableError::Host)
     }
 
     fn try_read(
         &self,
         store: &impl SharedData,
-        key: &str,
+        name: &GroupName,
         index: u32,
     ) -> Result<Option<Group>, TableError> {
         let group = |cas, raw: Vec<u8>| Group {
             index,
+            name: name.clone(),
             cas,
-            slots: decode_group(&raw),
+            slots: None,
             raw,
             rank: None,
             candidate: false,
         };
-        Ok(match store.get(key).map_err(|_| TableError::Host)? {
-            (Some(bytes), Some(cas)) => Some(group(cas, bytes)),
-            // A present key with an empty value (what a shared-data "remove" leaves).
-            (None, Some(cas)) => Some(group(cas, encode_group(&vec![None; GROUP_SLOTS]))),
-            (_, None) => None,
-        })
+        Ok(
+            match store.get(name.as_str()).map_err(|_| TableError::Host)? {
+                (Some(bytes), Some(cas)) => Some(group(cas, bytes)),
+                // A present key with an empty value (what a shared-data "remove" leaves).
+                (None, Some(cas)) => Some(group(cas, encode_group(&vec![None; GROUP_SLOTS]))),
+                (_, None) => None,
+            },
+        )
     }
 
     /// Position of group `index` among the transaction's groups, reading it on first use.
@@ -697,9 +1039,9 @@ impl SlotTable {
             let Some(g) = groups.get(group) else {
                 return Vec::new();
             };
-            (0..g.slots.len())
+            (0..g.slots().len())
                 .filter(|slot| !places.iter().any(|p| p.group == group && p.slot == *slot))
-                .filter(|slot| match g.slots.get(*slot) {
+                .filter(|slot| match g.slots().get(*slot) {
                     Some(None) => true,
                     Some(Some(record)) => {
                         record.evictable_at_ms <= now_ms && !ids.contains(&record.id.as_str())
@@ -738,7 +1080,7 @@ impl SlotTable {
             }
         }
         let (group, free) = best.ok_or(TableError::Full)?;
-        let slots = groups.get(group).map(|g| g.slots.as_slice()).unwrap_or(&[]);
+        let slots = groups.get(group).map(Group::slots).unwrap_or(&[]);
         if let Some(&slot) = free
             .iter()
             .find(|s| slots.get(**s).is_some_and(Option::is_none))
@@ -761,41 +1103,69 @@ impl SlotTable {
         store: &impl SharedData,
         ids: &[&str],
         now_ms: u64,
+        decide: impl FnMut(&mut [Record]) -> Txn<T>,
+        refund: impl Fn(usize, &Record, &Record, &mut Record),
+    ) -> Result<Transacted<T>, TableError> {
+        let mut buffers = Buffers::take();
+        let result = self.transact_in(&mut buffers, store, ids, now_ms, decide, refund);
+        buffers.give_back();
+        result
+    }
+
+    fn transact_in<T>(
+        &self,
+        buffers: &mut Buffers,
+        store: &impl SharedData,
+        ids: &[&str],
+        now_ms: u64,
         mut decide: impl FnMut(&mut [Record]) -> Txn<T>,
         refund: impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<Transacted<T>, TableError> {
+        let Buffers {
+            groups,
+            places,
+            before,
+            records,
+            write,
+        } = buffers;
         for _ in 0..MAX_ATTEMPTS {
-            let mut groups: Vec<Group> = Vec::new();
-            let mut places: Vec<Place> = Vec::with_capacity(ids.len());
-            let mut before: Vec<Record> = Vec::with_capacity(ids.len());
+            groups.clear();
+            places.clear();
+            before.clear();
             let mut next_rank = 0;
             for id in ids {
-                let mut candidates = Vec::with_capacity(PROBE_GROUPS);
-                let mut found = None;
-                for index in self.candidates(id) {
-                    let group = self.group_at(store, &mut groups, index)?;
-                    candidates.push(group);
-                    let slots = groups.get(group).map(|g| g.slots.as_slice()).unwrap_or(&[]);
-                    if let Some(slot) = slots
-                        .iter()
-                        .position(|s| s.as_ref().is_some_and(|r| r.id == *id))
-                    {
-                        found = Some((group, slot, slots.get(slot).cloned().flatten()));
-                        break;
-                    }
-                }
-                if let Some((group, slot, Some(record))) = found {
+                // Most keys live in their first candidate: the others are computed only when
+                // it does not hold the key.
+                let probe = self.probe(id);
+                let first = probe.groups(1);
+                let mut found = self.find_in(store, groups, first.as_slice(), id, before)?;
+                let probe = if found.is_none() {
+                    let all = probe.groups(PROBE_GROUPS);
+                    let rest = all.as_slice().get(1..).unwrap_or_default();
+                    found = self.find_in(store, groups, rest, id, before)?;
+                    all
+                } else {
+                    first
+                };
+                if let Some((group, slot)) = found {
                     places.push(Place {
                         group,
                         slot,
                         evicts: false,
                         candidates: Vec::new(),
                     });
-                    before.push(record);
                     continue;
                 }
-                let (group, slot, evicts) =
-                    Self::choose(&groups, &candidates, &places, ids, now_ms)?;
+                // A new key: every candidate was read; placing it looks at all their slots.
+                let mut candidates = Vec::with_capacity(PROBE_GROUPS);
+                for &index in probe.as_slice() {
+                    let group = self.group_at(store, groups, index)?;
+                    if let Some(g) = groups.get_mut(group) {
+                        g.decode_slots();
+                    }
+                    candidates.push(group);
+                }
+                let (group, slot, evicts) = Self::choose(groups, &candidates, places, ids, now_ms)?;
                 if let Some(g) = groups.get_mut(group) {
                     if g.rank.is_none() {
                         g.rank = Some(next_rank);
@@ -815,8 +1185,8 @@ impl SlotTable {
                 });
                 before.push(Record::fresh(id));
             }
-            let mut records = before.clone();
-            let value = match decide(&mut records) {
+            records.clone_from(before);
+            let value = match decide(records) {
                 Txn::Abort(value) => {
                     return Ok(Transacted {
                         value,
@@ -826,7 +1196,7 @@ impl SlotTable {
                 }
                 Txn::Commit(value) => value,
             };
-            match self.write_all(store, &groups, &places, &before, &records, &refund) {
+            match self.write_all(store, groups, places, before, records, write, &refund) {
                 Ok(evictions) => {
                     return Ok(Transacted {
                         value,
@@ -845,6 +1215,7 @@ impl SlotTable {
     /// every candidate of a key that is inserted (unchanged ones as read). Groups receiving a
     /// new key go last, in rank order, so an insert is visible only once its other candidates
     /// are known not to have changed since they were read.
+    #[allow(clippy::too_many_arguments)]
     fn write_all(
         &self,
         store: &impl SharedData,
@@ -852,61 +1223,69 @@ impl SlotTable {
         places: &[Place],
         before: &[Record],
         records: &[Record],
+        scratch: &mut WriteScratch,
         refund: &impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<u32, WriteError> {
+        let WriteScratch {
+            order,
+            changed,
+            out,
+        } = scratch;
+        // Which items changed, compared once.
+        changed.clear();
+        changed.extend(before.iter().zip(records).map(|(old, new)| old != new));
         let changes = || {
             places
                 .iter()
-                .zip(before)
                 .zip(records)
-                .filter(|((_, old), new)| old != new)
+                .zip(changed.iter())
+                .filter(|(_, changed)| **changed)
+                .map(|(item, _)| item)
         };
-        let mut order: Vec<usize> = (0..groups.len())
-            .filter(|index| {
-                changes().any(|((place, _), _)| {
-                    place.group == *index || place.candidates.contains(index)
-                })
-            })
-            .collect();
+        order.clear();
+        order.extend((0..groups.len()).filter(|index| {
+            changes().any(|(place, _)| place.group == *index || place.candidates.contains(index))
+        }));
         order.sort_by_key(|index| {
             groups
                 .get(*index)
                 .and_then(|g| g.rank)
                 .map_or((0, 0), |r| (1, r))
         });
+        // Whether the transaction changes a record of the group (else its write only confirms
+        // that nothing changed since it was read).
+        let changes_group = |index: usize| {
+            changes().any(|(place, _)| place.group == index && place.slot < GROUP_SLOTS)
+        };
         let mut evictions = 0;
-        let mut written: Vec<usize> = Vec::new();
-        for index in order {
+        for (position, &index) in order.iter().enumerate() {
             let Some(group) = groups.get(index) else {
                 continue;
             };
-            let mut slots = group.slots.clone();
-            let mut changed = false;
-            for ((place, _), new) in changes() {
-                if place.group != index {
-                    continue;
-                }
-                if let Some(slot) = slots.get_mut(place.slot) {
-                    *slot = Some(new.clone());
-                    changed = true;
-                    if place.evicts {
-                        evictions += 1;
+            let changed = changes_group(index);
+            evictions += changes()
+                .filter(|(place, _)| {
+                    place.group == index && place.slot < GROUP_SLOTS && place.evicts
+                })
+                .count() as u32;
+            let value = if changed {
+                splice_group(out, &group.raw, |slot| {
+                    changes()
+                        .find(|(place, _)| place.group == index && place.slot == slot)
+                        .map(|(_, new)| new)
+                });
+                out.as_slice()
+            } else {
+                group.raw.as_slice()
+            };
+            if let Err(error) = store.set(group.name.as_str(), value, Some(group.cas)) {
+                // Undo what the groups written before this one changed.
+                for &undo in order.iter().take(position) {
+                    if changes_group(undo) {
+                        self.refund_group(store, groups, undo, places, before, records, refund);
                     }
                 }
-            }
-            let value = if changed {
-                encode_group(&slots)
-            } else {
-                group.raw.clone()
-            };
-            if let Err(error) = store.set(&self.group_key(group.index), &value, Some(group.cas)) {
-                for &undo in &written {
-                    self.refund_group(store, groups, undo, places, before, records, refund);
-                }
                 return Err(error);
-            }
-            if changed {
-                written.push(index);
             }
         }
         Ok(evictions)
@@ -929,22 +1308,23 @@ impl SlotTable {
             return;
         };
         for _ in 0..MAX_ATTEMPTS {
-            let Ok(mut current) = self.read(store, index) else {
+            let Ok(current) = self.read(store, index) else {
                 return;
             };
+            let mut slots = decode_group(&current.raw);
             for (item, ((place, old), new)) in places.iter().zip(before).zip(records).enumerate() {
                 if place.group != group || old == new {
                     continue;
                 }
-                if let Some(Some(record)) = current.slots.get_mut(place.slot) {
+                if let Some(Some(record)) = slots.get_mut(place.slot) {
                     if record.id == new.id {
                         refund(item, old, new, record);
                     }
                 }
             }
             match store.set(
-                &self.group_key(index),
-                &encode_group(&current.slots),
+                current.name.as_str(),
+                &encode_group(&slots),
                 Some(current.cas),
             ) {
                 Err(WriteError::CasMismatch) => continue,

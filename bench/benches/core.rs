@@ -13,7 +13,10 @@
 //! - keys: escaping a plain, a hostile and an over-long identity, joining parts, bucket ids;
 //! - the request path: `Engine::plan` + `Engine::decide` for one local policy and for one global
 //!   policy spending from a granted lease, against an in-memory shared-data map with Envoy's
-//!   CAS semantics (the common case: one read and one CAS write per policy).
+//!   CAS semantics (the common case: one read and one CAS write per policy);
+//! - the anchor, in the same group: the `governor` crate's keyed limiter (GCRA in a concurrent
+//!   map) checking one of the same 100 keys, what a well-made in-process Rust limiter costs
+//!   per decision (`tollgate-bench micro-summary` reports the request path's ratio to it).
 
 #![allow(
     clippy::unwrap_used,
@@ -324,6 +327,19 @@ fn request_path(c: &mut Criterion) {
             let d = global.decide(&plan, &store, 10_000, Attempt::default());
             assert_eq!(d.verdict, Verdict::Continue);
             black_box(d)
+        })
+    });
+    // The anchor: a keyed check in `governor` over the same 100 tenants, always admitted (the
+    // policies above are too: a billion units per second).
+    let quota = governor::Quota::per_second(std::num::NonZeroU32::new(1_000_000_000).unwrap());
+    let limiter = governor::RateLimiter::keyed(quota);
+    let keys: Vec<String> = (0..100).map(|t| format!("tenant-{t}")).collect();
+    g.bench_function("governor_keyed_check", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            let allowed = limiter.check_key(&keys[i]).is_ok();
+            assert!(allowed);
+            black_box(allowed)
         })
     });
     let miss = facts("/orders/42");

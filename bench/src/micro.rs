@@ -47,6 +47,25 @@ pub fn read(criterion_dir: &Path) -> Vec<Estimate> {
     out
 }
 
+/// The anchor of the request path: `governor`'s keyed check, measured in the same run.
+pub const ANCHOR: (&str, &str) = ("request_path", "governor_keyed_check");
+
+/// Each other `request_path` benchmark's median as a multiple of the anchor's.
+pub fn anchor_ratios(estimates: &[Estimate]) -> Vec<(String, f64)> {
+    let Some(anchor) = estimates
+        .iter()
+        .find(|e| (e.group.as_str(), e.bench.as_str()) == ANCHOR)
+        .filter(|e| e.median_ns > 0.0)
+    else {
+        return Vec::new();
+    };
+    estimates
+        .iter()
+        .filter(|e| e.group == ANCHOR.0 && e.bench != ANCHOR.1)
+        .map(|e| (e.bench.clone(), e.median_ns / anchor.median_ns))
+        .collect()
+}
+
 pub fn markdown(estimates: &[Estimate], header: &str) -> String {
     let mut md = format!(
         "# tollgate microbenchmarks (`just bench-micro`)\n\n{header}\n\n\
@@ -57,6 +76,17 @@ pub fn markdown(estimates: &[Estimate], header: &str) -> String {
             "| {} | {} | {:.1} | {:.1} |\n",
             e.group, e.bench, e.median_ns, e.mean_ns
         ));
+    }
+    let ratios = anchor_ratios(estimates);
+    if !ratios.is_empty() {
+        md.push_str(&format!(
+            "\nAgainst the anchor (`{}`, a keyed check in the `governor` crate, same run), \
+             median over median:\n\n",
+            ANCHOR.1
+        ));
+        for (bench, ratio) in ratios {
+            md.push_str(&format!("- {bench}: {ratio:.1}x\n"));
+        }
     }
     md
 }
@@ -70,6 +100,10 @@ pub fn json(estimates: &[Estimate], header: &str) -> Value {
             "median_ns": e.median_ns,
             "mean_ns": e.mean_ns,
         })).collect::<Vec<_>>(),
+        "anchor": ANCHOR.1,
+        "ratio_to_anchor": anchor_ratios(estimates).into_iter()
+            .map(|(bench, ratio)| (bench, json!(ratio)))
+            .collect::<serde_json::Map<String, Value>>(),
     })
 }
 
@@ -100,6 +134,22 @@ mod tests {
         );
         let md = markdown(&got, "setup");
         assert!(md.contains("| bucket | try_take | 7.5 | 7.7 |"), "{md}");
+        assert!(!md.contains("anchor"), "no anchor measured: {md}");
+        let estimate = |bench: &str, median_ns| Estimate {
+            group: "request_path".into(),
+            bench: bench.into(),
+            median_ns,
+            mean_ns: median_ns,
+        };
+        let with_anchor = [
+            estimate("governor_keyed_check", 50.0),
+            estimate("local", 400.0),
+        ];
+        assert_eq!(
+            anchor_ratios(&with_anchor),
+            vec![("local".to_string(), 8.0)]
+        );
+        assert!(markdown(&with_anchor, "setup").contains("- local: 8.0x"));
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -31,11 +31,27 @@ fn is_plain(byte: u8) -> bool {
 /// The three forms (plain/percent, digest, anonymous) never collide: `#` and `!` are always
 /// percent-escaped in the first form.
 pub fn escape_part(raw: &[u8]) -> String {
+    let mut out = String::new();
+    escape_part_into(&mut out, raw);
+    out
+}
+
+/// [`escape_part`] appended to `out`: the filter builds a whole key in one buffer.
+pub fn escape_part_into(out: &mut String, raw: &[u8]) {
     let escaped_len: usize = raw.iter().map(|b| if is_plain(*b) { 1 } else { 3 }).sum();
     if escaped_len > MAX_PART_BYTES {
-        return format!("#{}", digest_hex(raw, 16));
+        out.push('#');
+        out.push_str(&digest_hex(raw, 16));
+        return;
     }
-    let mut out = String::with_capacity(escaped_len);
+    if escaped_len == raw.len() {
+        // Every byte is plain (ASCII): copied as it is.
+        if let Ok(plain) = std::str::from_utf8(raw) {
+            out.push_str(plain);
+            return;
+        }
+    }
+    out.reserve(escaped_len);
     for &byte in raw {
         if is_plain(byte) {
             out.push(char::from(byte));
@@ -45,7 +61,6 @@ pub fn escape_part(raw: &[u8]) -> String {
             out.push(hex_digit(byte & 0x0f));
         }
     }
-    out
 }
 
 /// Lowercase hex of the first `bytes` bytes of SHA-256(`data`).
@@ -147,7 +162,11 @@ pub fn hash_tag(key: &str) -> &str {
 
 /// Local (filter) name of a bucket: `<policy>:<key>`.
 pub fn local_bucket_id(policy: &str, key: &str) -> String {
-    format!("{policy}:{key}")
+    let mut id = String::with_capacity(policy.len() + 1 + key.len());
+    id.push_str(policy);
+    id.push(':');
+    id.push_str(key);
+    id
 }
 
 #[cfg(test)]

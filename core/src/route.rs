@@ -100,10 +100,14 @@ impl RouteTemplate {
         let Some(path) = normalize_path(path) else {
             return false;
         };
-        let mut pieces = split_path(path);
+        // Split as bytes (`/` is ASCII): the same pieces as `split_path`, without a char search.
+        let body = path.strip_prefix('/').unwrap_or(path);
+        let body = body.strip_suffix('/').unwrap_or(body).as_bytes();
+        let empty = body.is_empty();
+        let mut pieces = body.split(|b| *b == b'/').filter(move |_| !empty);
         for segment in &self.segments {
             match (segment, pieces.next()) {
-                (Segment::Literal(lit), Some(piece)) if lit == piece => {}
+                (Segment::Literal(lit), Some(piece)) if lit.as_bytes() == piece => {}
                 (Segment::Param, Some(piece)) if !piece.is_empty() => {}
                 _ => return false,
             }
@@ -121,7 +125,11 @@ impl fmt::Display for RouteTemplate {
 /// The path part of a request target: query and fragment cut, bounded in length.
 /// `None` for something that is not an origin-form path.
 pub fn normalize_path(raw: &str) -> Option<&str> {
-    let end = raw.find(['?', '#']).unwrap_or(raw.len());
+    // Both are ASCII, so a byte search finds the same (char boundary) position.
+    let end = raw
+        .bytes()
+        .position(|b| b == b'?' || b == b'#')
+        .unwrap_or(raw.len());
     let path = raw.get(..end)?;
     if !path.starts_with('/') || path.len() > MAX_PATH_BYTES {
         return None;

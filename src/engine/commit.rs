@@ -10,7 +10,7 @@ use super::{
 use crate::global::DEADLINE_MARGIN_MS;
 use crate::shared::SharedData;
 use crate::table::{Record, Txn};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use tollgate_core::bucket::BucketState;
 use tollgate_core::policy::{Algorithm, FailureMode, Policy, Terminal};
 use tollgate_core::response::{self, PolicyStatus};
@@ -24,124 +24,137 @@ impl Engine {
         attempt: Attempt,
         decision: &mut Decision,
     ) {
-        let Some(items) = self.items(&plan.enforced) else {
-            return;
-        };
-        if items.is_empty() {
-            return;
-        }
-        let ids: Vec<&str> = plan.enforced.iter().map(|m| m.bucket_id.as_str()).collect();
-        let scratch = RefCell::new(Scratch::default());
-        let spends: RefCell<Vec<Spend>> = RefCell::new(Vec::new());
-        let slots: RefCell<Vec<Option<u64>>> = RefCell::new(Vec::new());
-        let result = self.table.transact(
-            store,
-            &ids,
-            now_ms,
-            |records| {
-                let mut scratch = scratch.borrow_mut();
-                *scratch = Scratch::default();
-                let at = Moment {
-                    now_ms,
-                    attempt,
-                    limiter: self.policies.limiter.as_ref(),
+        // One enforced policy (the common case) takes no list on the heap.
+        let (one_item, one_id);
+        let (many_items, many_ids): (Vec<_>, Vec<&str>);
+        let (items, ids): (&[(&Matched, &Policy)], &[&str]) = match plan.enforced.as_slice() {
+            [] => return,
+            [m] => {
+                let Some(policy) = self.policies.policies.get(m.index) else {
+                    return;
                 };
-                let steps: Vec<Step> = items
-                    .iter()
-                    .zip(records.iter_mut())
-                    .map(|((m, policy), record)| self.step(policy, m, record, at, &mut scratch))
-                    .collect();
-                let verdict = self.combine(&items, &steps, records, now_ms, &mut scratch);
-                *spends.borrow_mut() = steps
-                    .iter()
-                    .map(|s| match s {
-                        Step::Allow { spend, .. } if matches!(verdict.0, Verdict::Continue) => {
-                            spend.clone()
-                        }
-                        _ => Spend::Nothing,
-                    })
-                    .collect();
-                *slots.borrow_mut() = items
-                    .iter()
-                    .map(|(m, _)| {
-                        scratch
-                            .admissions
-                            .iter()
-                            .find(|a| a.bucket_id == m.bucket_id)
-                            .and_then(|a| a.slot)
-                    })
-                    .collect();
-                for ((_, policy), record) in items.iter().zip(records.iter_mut()) {
-                    mark_evictable(record, policy, now_ms);
-                }
-                Txn::Commit(verdict)
-            },
-            |index, before, after, current| {
-                // Undo the consumption only; housekeeping (flags, expiry) stays.
-                let slot = slots.borrow().get(index).copied().flatten();
-                if let (Some(epoch), Some((_, policy))) = (slot, items.get(index)) {
-                    if let Some(limit) = policy.in_flight {
+                one_item = [(m, policy)];
+                one_id = [m.bucket_id.as_str()];
+                (&one_item, &one_id)
+            }
+            all => {
+                let Some(items) = self.items(all) else {
+                    return;
+                };
+                many_items = items;
+                many_ids = all.iter().map(|m| m.bucket_id.as_str()).collect();
+                (&many_items, &many_ids)
+            }
+        };
+        let scratch = RefCell::new(Scratch::default());
+        // The steps of the latest attempt, and whether it admitted the request: what a refund
+        // undoes (the spends of an admission, and the in-flight slots it took).
+        let steps: RefCell<Vec<Step>> = RefCell::new(take_steps());
+        let admitted = Cell::new(false);
+        let result =
+            self.table.transact(
+                store,
+                ids,
+                now_ms,
+                |records| {
+                    let mut scratch = scratch.borrow_mut();
+                    *scratch = Scratch::default();
+                    let at = Moment {
+                        now_ms,
+                        attempt,
+                        limiter: self.policies.limiter.as_ref(),
+                    };
+                    let mut steps = steps.borrow_mut();
+                    steps.clear();
+                    steps.extend(items.iter().zip(records.iter_mut()).map(
+                        |((m, policy), record)| self.step(policy, m, record, at, &mut scratch),
+                    ));
+                    let verdict = self.combine(items, &steps, records, now_ms, &mut scratch);
+                    admitted.set(matches!(verdict.0, Verdict::Continue));
+                    for ((_, policy), record) in items.iter().zip(records.iter_mut()) {
+                        mark_evictable(record, policy, now_ms);
+                    }
+                    Txn::Commit(verdict)
+                },
+                |index, before, after, current| {
+                    // Undo the consumption only; housekeeping (flags, expiry) stays.
+                    let Some((m, policy)) = items.get(index) else {
+                        return;
+                    };
+                    let slot = scratch
+                        .borrow()
+                        .admissions
+                        .iter()
+                        .find(|a| a.bucket_id == m.bucket_id)
+                        .and_then(|a| a.slot);
+                    if let (Some(epoch), Some(limit)) = (slot, policy.in_flight) {
                         current.in_flight.release(epoch, limit.timeout_ms, now_ms);
                     }
-                }
-                if let Some(((_, policy), spend)) = items.get(index).zip(spends.borrow().get(index))
-                {
-                    match spend {
-                        Spend::Lease(cost) => {
-                            current.lease.tokens = current.lease.tokens.saturating_add(*cost)
-                        }
-                        Spend::Bucket(_) => {
-                            let limits = bucket_limits(policy);
-                            let taken = before
-                                .bucket
-                                .map_or(limits.capacity(), |b| b.refilled(&limits, now_ms).tokens)
-                                - after.bucket.map_or(limits.capacity(), |b| b.tokens);
-                            let state = current
-                                .bucket
-                                .unwrap_or_else(|| BucketState::full(&limits, now_ms));
-                            current.bucket = Some(BucketState {
-                                tokens: (state.tokens + taken.max(0.0)).min(limits.capacity()),
-                                ..state
-                            });
-                        }
-                        Spend::LeaseAhead(from_tokens, ahead) => {
-                            current.lease.tokens =
-                                current.lease.tokens.saturating_add(*from_tokens);
-                            current.lease.debt = current.lease.debt.saturating_sub(*ahead);
-                        }
-                        Spend::Counters(counted, cost) => {
-                            if let Some(c) = current.counters.as_mut() {
-                                if c.window == counted.window {
-                                    c.count = c.count.saturating_sub(*cost);
-                                }
+                    let steps = steps.borrow();
+                    if let Some(Step::Allow { spend, .. }) =
+                        steps.get(index).filter(|_| admitted.get())
+                    {
+                        match spend {
+                            Spend::Lease(cost) => {
+                                current.lease.tokens = current.lease.tokens.saturating_add(*cost)
                             }
-                        }
-                        Spend::Log(logged, cost) => {
-                            if let Some(log) = current.log.as_mut() {
-                                for _ in 0..*cost {
-                                    if log.times.last() == Some(&logged.seen_ms) {
-                                        log.times.pop();
+                            Spend::Bucket(_) => {
+                                let limits = bucket_limits(policy);
+                                let taken =
+                                    before.bucket.map_or(limits.capacity(), |b| {
+                                        b.refilled(&limits, now_ms).tokens
+                                    }) - after.bucket.map_or(limits.capacity(), |b| b.tokens);
+                                let state = current
+                                    .bucket
+                                    .unwrap_or_else(|| BucketState::full(&limits, now_ms));
+                                current.bucket = Some(BucketState {
+                                    tokens: (state.tokens + taken.max(0.0)).min(limits.capacity()),
+                                    ..state
+                                });
+                            }
+                            Spend::LeaseAhead(from_tokens, ahead) => {
+                                current.lease.tokens =
+                                    current.lease.tokens.saturating_add(*from_tokens);
+                                current.lease.debt = current.lease.debt.saturating_sub(*ahead);
+                            }
+                            Spend::Counters(counted, cost) => {
+                                if let Some(c) = current.counters.as_mut() {
+                                    if c.window == counted.window {
+                                        c.count = c.count.saturating_sub(*cost);
                                     }
                                 }
                             }
+                            Spend::Log(logged, cost) => {
+                                if let Some(log) = current.log.as_mut() {
+                                    for _ in 0..*cost {
+                                        if log.times.last() == Some(&logged.seen_ms) {
+                                            log.times.pop();
+                                        }
+                                    }
+                                }
+                            }
+                            Spend::Nothing => {}
                         }
-                        Spend::Nothing => {}
                     }
-                }
-            },
-        );
+                },
+            );
+        give_back_steps(steps.into_inner());
         match result {
             Ok(done) => {
                 decision.evictions += done.evictions;
                 let (verdict, outcomes, headers) = done.value;
                 decision.verdict = verdict;
-                decision.outcomes.extend(outcomes);
+                if decision.outcomes.is_empty() {
+                    decision.outcomes = outcomes;
+                } else {
+                    decision.outcomes.extend(outcomes);
+                }
                 decision.response_headers = headers;
                 scratch.into_inner().drain_into(decision);
             }
             Err(error) => {
                 decision.table_error = Some(error);
-                for (m, policy) in &items {
+                for (m, policy) in items {
                     let outcome = when_table_fails(policy);
                     decision.outcomes.push((m.index, outcome));
                     if outcome == Outcome::FailClosed && decision.verdict == Verdict::Continue {
@@ -268,7 +281,9 @@ impl Engine {
             return (Verdict::Wait, Vec::new(), Vec::new());
         }
         let mut outcomes = Vec::with_capacity(items.len());
-        let mut statuses = Vec::with_capacity(items.len());
+        // Statuses only feed the headers on an admitted response.
+        let headers_on_allow = self.policies.response.ratelimit_headers_on_allow;
+        let mut statuses = Vec::with_capacity(if headers_on_allow { items.len() } else { 0 });
         for (((m, policy), step), record) in items.iter().zip(steps).zip(records.iter_mut()) {
             if let Step::Allow {
                 spend,
@@ -288,10 +303,12 @@ impl Engine {
                     scratch.delayed.push(m.index);
                 }
                 outcomes.push((m.index, *outcome));
-                statuses.push(status(policy, *remaining, *reset_ms));
+                if headers_on_allow {
+                    statuses.push(status(policy, *remaining, *reset_ms));
+                }
             }
         }
-        let headers = if self.policies.response.ratelimit_headers_on_allow {
+        let headers = if headers_on_allow {
             response::allowed_headers(&statuses)
         } else {
             Vec::new()
@@ -370,6 +387,30 @@ impl Engine {
             }
         }
     }
+}
+
+thread_local! {
+    /// The steps list of a decision, kept per thread between requests so its capacity is
+    /// reused (bounded by the most policies one request matched).
+    static STEPS: RefCell<Vec<Step>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The thread's steps list (a fresh one if it is in use).
+fn take_steps() -> Vec<Step> {
+    STEPS
+        .try_with(|s| s.try_borrow_mut().map(|mut s| std::mem::take(&mut *s)))
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default()
+}
+
+fn give_back_steps(mut steps: Vec<Step>) {
+    steps.clear();
+    let _ = STEPS.try_with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            *s = steps;
+        }
+    });
 }
 
 fn apply_spend(spend: &Spend, record: &mut Record) {

@@ -79,6 +79,18 @@ pub(super) struct Scratch {
 
 impl Scratch {
     pub fn drain_into(self, decision: &mut Decision) {
+        decision.delay_ms = decision.delay_ms.max(self.delay_ms);
+        if self.needs.is_empty()
+            && self.returns.is_empty()
+            && self.expired.is_empty()
+            && self.waiting_for.is_empty()
+            && self.admissions.is_empty()
+            && self.slots_expired.is_empty()
+            && self.delayed.is_empty()
+        {
+            // The common case: nothing to hand over.
+            return;
+        }
         decision.needs.extend(self.needs);
         decision.returns.extend(self.returns);
         decision.expired.extend(self.expired);

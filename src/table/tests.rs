@@ -986,3 +986,222 @@ fn two_workers_inserting_one_new_key_create_it_once_in_every_interleaving() {
         assert!(overlapping > 0);
     }
 }
+
+/// Groups of the table the placement tests fill, and ids they place.
+const SPREAD_GROUPS: u32 = 64;
+const SPREAD_IDS: usize = 2048;
+
+/// The most ids any group receives as a first candidate, and as any candidate.
+fn most_per_group(table: &SlotTable, ids: &[String]) -> (usize, usize) {
+    let mut first = vec![0usize; SPREAD_GROUPS as usize];
+    let mut any = vec![0usize; SPREAD_GROUPS as usize];
+    for id in ids {
+        let candidates = table.candidates(id);
+        first[candidates[0] as usize] += 1;
+        for g in candidates {
+            any[g as usize] += 1;
+        }
+    }
+    (
+        first.into_iter().max().unwrap_or(0),
+        any.into_iter().max().unwrap_or(0),
+    )
+}
+
+/// The bound a group's load stays within, whatever ids a client chose without the salt:
+/// twice its fair share plus 8 (the fair share of 2048 ids over 64 groups is 32 as first
+/// candidate, 128 as any of four; the binomial spread around it is 5.6 and 11, so the bound
+/// is over 5 standard deviations away).
+fn spread_bound(fair: usize) -> usize {
+    2 * fair + 8
+}
+
+fn spread_table(seed: u64) -> SlotTable {
+    let store = MemorySharedData::default();
+    SlotTable::open(&store, "t/", SPREAD_GROUPS * GROUP_SLOTS as u32, seed)
+        .unwrap()
+        .partitioned(["p"])
+}
+
+#[test]
+fn ids_aimed_with_a_guessed_salt_do_not_concentrate() {
+    // A client that computes placement under a salt it guessed (here: it knows the algorithm
+    // and picks ids whose first candidate is group 0 under that salt) aims at nothing under
+    // the instance's real salt.
+    let guessed = spread_table(1);
+    let real = spread_table(2);
+    let aimed: Vec<String> = (0u64..)
+        .map(|i| format!("p:tenant-{i}"))
+        .filter(|id| guessed.candidates(id)[0] == 0)
+        .take(SPREAD_IDS / 2)
+        .collect();
+    let (first, _) = most_per_group(&guessed, &aimed);
+    assert_eq!(first, aimed.len(), "the aim works under the guessed salt");
+    let fair_first = aimed.len() / SPREAD_GROUPS as usize;
+    let (first, any) = most_per_group(&real, &aimed);
+    assert!(first <= spread_bound(fair_first), "first {first}");
+    assert!(any <= spread_bound(4 * fair_first), "any {any}");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Whatever family of ids a client sends (a common prefix, counters, a fixed suffix, ids
+    /// one byte apart), under any salt no group receives more than [`spread_bound`] of them.
+    #[test]
+    fn hostile_id_sets_cannot_concentrate_keys(
+        seed in proptest::prelude::any::<u64>(),
+        prefix in "[a-z%:!#]{0,40}",
+        suffix in "[a-z0-9]{0,8}",
+        stride in 1u64..1_000_000,
+    ) {
+        let table = spread_table(seed);
+        let ids: Vec<String> = (0..SPREAD_IDS as u64)
+            .map(|i| format!("p:{prefix}{}{suffix}", i * stride))
+            .collect();
+        let fair = SPREAD_IDS / SPREAD_GROUPS as usize;
+        let (first, any) = most_per_group(&table, &ids);
+        proptest::prop_assert!(first <= spread_bound(fair), "first {}", first);
+        proptest::prop_assert!(any <= spread_bound(4 * fair), "any {}", any);
+    }
+}
+
+#[test]
+fn a_write_changes_only_its_slot_and_copies_the_others_as_read() {
+    // A group holding the key's record, a record of an older layout (tag 1, reads as empty)
+    // and another key's record: charging the key re-encodes its slot only; the other slots'
+    // bytes are written back exactly as read.
+    let store = MemorySharedData::default();
+    let table = open(&store, 16);
+    let key = "p:k";
+    let group = table.candidates(key)[0];
+    let l = limits(10);
+    let mut other = Record::fresh("p:other");
+    other.bucket = Some(BucketState {
+        tokens: 3.0,
+        updated_ms: 5,
+    });
+    other.evictable_at_ms = u64::MAX;
+    let old_layout: &[u8] = &[1, 1, 0, b'x', 0, 0, 0, 0, 0, 0, 0, 0];
+    let mut before = vec![TAG_GROUP];
+    push_entry(&mut before, Some(&Record::fresh(key)));
+    before.extend_from_slice(&(old_layout.len() as u16).to_le_bytes());
+    before.extend_from_slice(old_layout);
+    push_entry(&mut before, Some(&other));
+    push_entry(&mut before, None);
+    store.set(&table.group_key(group), &before, None).unwrap();
+    let charge = [Charge {
+        bucket_id: key,
+        limits: &l,
+        cost: 1,
+    }];
+    assert!(table.charge(&store, &charge, 1_000).unwrap().allowed);
+    let (after, _) = store.get(&table.group_key(group)).unwrap();
+    let after = after.unwrap();
+    let spans = (slot_spans(&before), slot_spans(&after));
+    for slot in 1..GROUP_SLOTS {
+        let bytes = |raw: &[u8], spans: &[Option<std::ops::Range<usize>>; GROUP_SLOTS]| {
+            spans[slot].clone().map(|s| raw[s].to_vec())
+        };
+        assert_eq!(bytes(&before, &spans.0), bytes(&after, &spans.1), "{slot}");
+    }
+    let slots = decode_group(&after);
+    assert_eq!(slots[0].as_ref().unwrap().bucket.unwrap().tokens, 9.0);
+    assert_eq!(slots[1], None);
+    assert_eq!(slots[2], Some(other));
+    assert_eq!(slots[3], None);
+}
+
+#[test]
+fn a_reload_that_moves_keys_keeps_or_restarts_each_keys_state_never_mixes_it() {
+    // The same shared data under the table of a new configuration (one more policy: `p`'s
+    // region moves), while workers of the old configuration still run: each table finds a key
+    // by its exact id, so a key either keeps its record or starts a fresh one, and every unit
+    // charged is in exactly one record of that key.
+    let store = MemorySharedData::default();
+    let old = open(&store, 256).partitioned(["p"]);
+    let new = open(&store, 256).partitioned(["q", "p"]);
+    let l = limits(100);
+    let keys: Vec<String> = (0..40).map(|i| format!("p:t{i}")).collect();
+    let cost = |i: usize| (i % 7) as u64 + 1;
+    let mut charged = vec![0u64; keys.len()];
+    let charge = |table: &SlotTable, i: usize, now| {
+        let c = [Charge {
+            bucket_id: &keys[i],
+            limits: &l,
+            cost: cost(i),
+        }];
+        assert!(table.charge(&store, &c, now).unwrap().allowed);
+    };
+    for (i, total) in charged.iter_mut().enumerate() {
+        charge(&old, i, 1_000);
+        *total += cost(i);
+    }
+    let (mut kept, mut fresh) = (0, 0);
+    for (round, now) in [2_000u64, 3_000, 4_000].into_iter().enumerate() {
+        for (i, total) in charged.iter_mut().enumerate() {
+            // Live traffic on both configurations, in turn.
+            let table = if (i + round) % 2 == 0 { &new } else { &old };
+            if round == 0 {
+                let found = table
+                    .transact(
+                        &store,
+                        &[keys[i].as_str()],
+                        now,
+                        |r| Txn::Abort(r[0].bucket.is_some()),
+                        |_, _, _, _| {},
+                    )
+                    .unwrap()
+                    .value;
+                if found {
+                    kept += 1;
+                } else {
+                    fresh += 1;
+                }
+            }
+            charge(table, i, now);
+            *total += cost(i);
+        }
+    }
+    assert!(kept > 0 && fresh > 0, "kept {kept}, fresh {fresh}");
+    let records = all_records(&store, &new);
+    for (i, key) in keys.iter().enumerate() {
+        let held: Vec<_> = records.iter().filter(|(_, r)| r.id == *key).collect();
+        assert!(!held.is_empty() && held.len() <= 2, "{key}: {held:?}");
+        let spent: f64 = held
+            .iter()
+            .map(|(_, r)| 100.0 - r.bucket.unwrap().tokens)
+            .sum();
+        assert!((spent - charged[i] as f64).abs() < 0.01, "{key}: {spent}");
+    }
+}
+
+#[test]
+fn clone_from_copies_every_field() {
+    let mut source = Record::fresh("p:source");
+    source.bucket = Some(BucketState {
+        tokens: 2.5,
+        updated_ms: 9,
+    });
+    source.lease.tokens = 7;
+    source.lease.debt = 3;
+    source.in_flight.counts[0] = 2;
+    source.counters = Some(Counters {
+        window: 4,
+        count: 5,
+        previous: 6,
+    });
+    source.log = Some(Log {
+        times: vec![1, 2, 3],
+        seen_ms: 3,
+    });
+    source.evictable_at_ms = 11;
+    let mut target = Record::fresh("p:a-longer-id-whose-buffer-is-reused");
+    target.log = Some(Log {
+        times: vec![9; 10],
+        seen_ms: 9,
+    });
+    target.clone_from(&source);
+    assert_eq!(target, source);
+    assert_eq!(source.clone(), source);
+}
