@@ -57,13 +57,11 @@ pub fn spawn_tied(mut cmd: Command) -> io::Result<Child> {
         .unwrap_or_else(|p| p.into_inner())
         .send((cmd, reply_tx))
         .map_err(|_| io::Error::other("spawner thread is gone"))?;
-    reply_rx
-        .recv_timeout(STARTUP_DEADLINE)
-        .map_err(|_| {
-            io::Error::other(format!(
-                "spawner thread did not answer within {STARTUP_DEADLINE:?}"
-            ))
-        })?
+    reply_rx.recv_timeout(STARTUP_DEADLINE).map_err(|_| {
+        io::Error::other(format!(
+            "spawner thread did not answer within {STARTUP_DEADLINE:?}"
+        ))
+    })?
 }
 
 /// Run a short-lived command to completion, capturing its output, killing it at `timeout`.
