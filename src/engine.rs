@@ -274,7 +274,9 @@ impl Engine {
         decision
     }
 
-    /// Credits a limiter answer to a key's record.
+    /// Credits a limiter answer to a key's record. Returns the unspent tokens of a lease the
+    /// record no longer keeps an id for, taken out of it to give back now (see
+    /// `global::apply_grant`).
     pub fn credit(
         &self,
         store: &impl SharedData,
@@ -283,7 +285,7 @@ impl Engine {
         seq: u64,
         now_ms: u64,
         fresh: bool,
-    ) -> Result<(), TableError> {
+    ) -> Result<Option<ReturnNeed>, TableError> {
         let policy = self.policies.policies.get(need.policy);
         let at = global::GrantTimes {
             now_ms,
@@ -291,11 +293,17 @@ impl Engine {
             windowed: policy.is_some_and(|p| p.algorithm.window().is_some()),
         };
         self.table.update(store, &need.bucket_id, now_ms, |record| {
-            global::apply_grant(record, grant, seq, at, fresh);
+            let displaced = global::apply_grant(record, grant, seq, at, fresh);
             global::pay_debt(&mut record.lease);
             if let Some(policy) = policy {
                 commit::mark_evictable(record, policy, now_ms);
             }
+            displaced.map(|(seq, unused)| ReturnNeed {
+                policy: need.policy,
+                key: need.key.clone(),
+                seq,
+                unused,
+            })
         })
     }
 

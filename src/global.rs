@@ -152,17 +152,62 @@ pub fn below_low_water(lease: &Lease, settings: &LimiterSpec) -> bool {
     (lease.tokens as f64) < settings.low_water * lease.granted as f64 || lease.tokens == 0
 }
 
-/// Unspent tokens of an expired lease: `(returnable, expired)`; the lease is emptied.
-/// Only what the latest lease granted can be returned under its id; older leftovers expire.
-pub fn expire(lease: &mut Lease, now_ms: u64) -> Option<(u64, u64)> {
-    if lease.tokens == 0 || lease.expires_ms > now_ms {
-        return None;
+/// Unspent tokens taken out of a lease: what to give back under which lease id, and what
+/// can be given back under none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Expiry {
+    /// `(seq, unused)`: the previous lease's part, then the latest lease's (`unused` 0: none).
+    pub returns: [(u64, u64); 2],
+    /// Leftovers of leases older than the previous one, or beyond what a lease granted.
+    pub expired: u64,
+}
+
+/// Splits the lease's unspent tokens by the lease they are from: `(latest, previous,
+/// unattributed)`. Tokens are spent oldest first, so the latest lease keeps up to what it
+/// granted, the previous one up to its `prev_tokens` of the rest, and what is left over is
+/// from older leases (or beyond a grant) and can be returned under no id.
+fn split(lease: &Lease) -> (u64, u64, u64) {
+    let latest = lease.tokens.min(lease.granted);
+    let previous = (lease.tokens - latest).min(lease.prev_tokens);
+    (latest, previous, lease.tokens - latest - previous)
+}
+
+fn forget_previous(lease: &mut Lease) {
+    lease.prev_seq = 0;
+    lease.prev_tokens = 0;
+    lease.prev_expires_ms = 0;
+}
+
+/// Takes the unspent tokens of expired leases out of the lease. When the latest lease has
+/// expired, everything is taken: each lease's part to give back under its own id, at most
+/// what that lease granted, and the rest as expired; the lease is emptied. When only the
+/// previous lease has expired (a token bucket's earlier lease), its part is taken (the
+/// limiter remembers a lease id for a bounded time after it can no longer be spent) and the
+/// latest lease runs on. `None` when nothing is to be given back.
+pub fn expire(lease: &mut Lease, now_ms: u64) -> Option<Expiry> {
+    let (latest, previous, unattributed) = split(lease);
+    if lease.tokens > 0 && lease.expires_ms <= now_ms {
+        let out = Expiry {
+            returns: [(lease.prev_seq, previous), (lease.seq, latest)],
+            expired: unattributed,
+        };
+        lease.tokens = 0;
+        lease.granted = 0;
+        forget_previous(lease);
+        return Some(out);
     }
-    let returnable = lease.tokens.min(lease.granted);
-    let expired = lease.tokens - returnable;
-    lease.tokens = 0;
-    lease.granted = 0;
-    Some((returnable, expired))
+    if lease.prev_seq != 0 && lease.prev_expires_ms <= now_ms {
+        let seq = lease.prev_seq;
+        lease.tokens -= previous;
+        forget_previous(lease);
+        if previous > 0 {
+            return Some(Expiry {
+                returns: [(seq, previous), (0, 0)],
+                expired: 0,
+            });
+        }
+    }
+    None
 }
 
 /// Applies a limiter answer for this key to its record. `fresh` is false for an answer that
@@ -178,19 +223,25 @@ pub fn expire(lease: &mut Lease, now_ms: u64) -> Option<(u64, u64)> {
 /// carried into the new one). A token bucket's lease runs `expires_ms` from the answer (its
 /// units were taken from the bucket when granted; the expiry only bounds how long they may
 /// be stranded).
+///
+/// A grant under a new lease id makes the lease so far the previous one (see
+/// [`Lease::prev_seq`]). The record keeps two lease ids: the part of the one before, if
+/// any is unspent, is taken out and comes back as `(seq, unused)`, to give back now (a
+/// token bucket's only: the limiter takes back nothing of a windowed lease).
 pub fn apply_grant(
     record: &mut Record,
     grant: &LeaseGranted,
     lease_seq: u64,
     at: GrantTimes,
     fresh: bool,
-) {
+) -> Option<(u64, u64)> {
     let GrantTimes {
         now_ms,
         asked_ms,
         windowed,
     } = at;
     let lease = &mut record.lease;
+    let mut displaced = None;
     stop_drip(lease, now_ms);
     lease.pending_until_ms = 0;
     lease.unavailable_since_ms = 0;
@@ -216,6 +267,24 @@ pub fn apply_grant(
         } else {
             now_ms.saturating_add(grant.expires_ms)
         };
+        if lease_seq != lease.seq {
+            // The lease so far becomes the previous one, with its unspent part; the part of
+            // the one before it is given back now. A windowed lease's units are not taken
+            // back by the limiter (it counts them until the window's end): they stay to be
+            // spent, first.
+            let (latest, previous, _) = split(lease);
+            if previous > 0 && !windowed {
+                lease.tokens -= previous;
+                displaced = Some((lease.prev_seq, previous));
+            }
+            if latest > 0 {
+                lease.prev_seq = lease.seq;
+                lease.prev_tokens = latest;
+                lease.prev_expires_ms = lease.expires_ms;
+            } else {
+                forget_previous(lease);
+            }
+        }
         lease.tokens = lease.tokens.saturating_add(grant.granted);
         lease.granted = grant.granted.saturating_add(drip_total as u64);
         lease.seq = lease_seq;
@@ -239,6 +308,7 @@ pub fn apply_grant(
         lease.assigned_until_ms = 0;
         lease.renew_at_ms = 0;
     }
+    displaced
 }
 
 /// When a limiter answer is credited: now, when the key's lease was asked for (no later than
@@ -425,13 +495,147 @@ mod tests {
         let mut lease = Lease {
             tokens: 50,
             granted: 20,
+            seq: 3,
             expires_ms: 100,
             ..Lease::default()
         };
         assert_eq!(expire(&mut lease, 99), None);
-        assert_eq!(expire(&mut lease, 100), Some((20, 30)));
+        assert_eq!(
+            expire(&mut lease, 100),
+            Some(Expiry {
+                returns: [(0, 0), (3, 20)],
+                expired: 30,
+            })
+        );
         assert_eq!(lease.tokens, 0);
         assert_eq!(expire(&mut lease, 200), None);
+    }
+
+    fn grant(granted: u64, expires_ms: u64) -> LeaseGranted {
+        LeaseGranted {
+            id: "x".into(),
+            granted,
+            remaining: 0.0,
+            retry_after_ms: 0,
+            expires_ms,
+            share_per_s: 0.0,
+            period_ms: 0,
+        }
+    }
+
+    /// Credits a token bucket's lease of `granted` (expiring 1 s after `now_ms`) as `seq`.
+    fn credit(record: &mut Record, granted: u64, seq: u64, now_ms: u64) -> Option<(u64, u64)> {
+        apply_grant(
+            record,
+            &grant(granted, 1_000),
+            seq,
+            GrantTimes::bucket(now_ms),
+            true,
+        )
+    }
+
+    #[test]
+    fn a_refill_merged_into_a_lease_returns_each_lease_its_unspent_part() {
+        let mut record = Record::fresh("p:k");
+        assert_eq!(credit(&mut record, 10, 1, 0), None);
+        record.lease.tokens -= 3;
+        // A small refill while 7 of the first lease are unspent.
+        assert_eq!(credit(&mut record, 2, 2, 50), None);
+        let l = &record.lease;
+        assert_eq!((l.tokens, l.granted, l.seq), (9, 2, 2));
+        assert_eq!(
+            (l.prev_seq, l.prev_tokens, l.prev_expires_ms),
+            (1, 7, 1_000)
+        );
+        // Spent oldest first: 4 of the first lease's 7.
+        record.lease.tokens -= 4;
+        let mut lease = record.lease;
+        assert_eq!(
+            expire(&mut lease, 1_050),
+            Some(Expiry {
+                returns: [(1, 3), (2, 2)],
+                expired: 0,
+            })
+        );
+        assert_eq!((lease.tokens, lease.prev_seq, lease.prev_tokens), (0, 0, 0));
+        // Spent into the latest lease: the first one has nothing left, the latest keeps the
+        // rest (never more than it granted).
+        let mut lease = Lease {
+            tokens: 1,
+            ..record.lease
+        };
+        assert_eq!(
+            expire(&mut lease, 1_050),
+            Some(Expiry {
+                returns: [(1, 0), (2, 1)],
+                expired: 0,
+            })
+        );
+    }
+
+    #[test]
+    fn the_previous_lease_is_returned_at_its_own_expiry_and_the_latest_runs_on() {
+        let mut record = Record::fresh("p:k");
+        credit(&mut record, 10, 1, 0);
+        credit(&mut record, 5, 2, 500);
+        record.lease.tokens -= 2;
+        let mut lease = record.lease;
+        assert_eq!(expire(&mut lease, 999), None);
+        assert_eq!(
+            expire(&mut lease, 1_000),
+            Some(Expiry {
+                returns: [(1, 8), (0, 0)],
+                expired: 0,
+            })
+        );
+        assert_eq!((lease.tokens, lease.granted, lease.prev_seq), (5, 5, 0));
+        assert_eq!(expire(&mut lease, 1_400), None);
+        assert_eq!(
+            expire(&mut lease, 1_500),
+            Some(Expiry {
+                returns: [(0, 0), (2, 5)],
+                expired: 0,
+            })
+        );
+        // A previous lease spent to nothing is forgotten at its expiry without a return.
+        credit(&mut record, 5, 3, 900);
+        let mut lease = Lease {
+            tokens: 5,
+            ..record.lease
+        };
+        assert_eq!(lease.prev_seq, 2);
+        assert_eq!(expire(&mut lease, 1_500), None);
+        assert_eq!((lease.tokens, lease.prev_seq), (5, 0));
+    }
+
+    #[test]
+    fn a_third_lease_gives_back_the_oldest_part_at_once() {
+        let mut record = Record::fresh("p:k");
+        credit(&mut record, 10, 1, 0);
+        credit(&mut record, 3, 2, 100);
+        record.lease.tokens -= 4;
+        // 9 unspent: 3 of lease 2 (spent last), 6 of lease 1.
+        assert_eq!(credit(&mut record, 2, 3, 200), Some((1, 6)));
+        let l = &record.lease;
+        assert_eq!((l.tokens, l.seq, l.granted), (5, 3, 2));
+        assert_eq!((l.prev_seq, l.prev_tokens), (2, 3));
+        // The same id answered again (a replay) keeps the previous lease as it is.
+        assert_eq!(credit(&mut record, 2, 3, 300), None);
+        assert_eq!((record.lease.prev_seq, record.lease.prev_tokens), (2, 3));
+        // A windowed lease whose window ended drops its tokens: no previous lease is kept.
+        let windowed = |now_ms| GrantTimes {
+            now_ms,
+            asked_ms: now_ms,
+            windowed: true,
+        };
+        apply_grant(&mut record, &grant(2, 1_000), 4, windowed(5_000), true);
+        assert_eq!((record.lease.tokens, record.lease.prev_seq), (2, 0));
+        // Windowed units are never taken back: a third lease leaves the oldest part to spend.
+        apply_grant(&mut record, &grant(1, 1_000), 5, windowed(5_100), true);
+        let displaced = apply_grant(&mut record, &grant(1, 1_000), 6, windowed(5_200), true);
+        assert_eq!(displaced, None);
+        let l = &record.lease;
+        assert_eq!((l.tokens, l.prev_seq, l.prev_tokens), (4, 5, 1));
     }
 
     #[test]

@@ -71,8 +71,9 @@ pub const GROUP_SLOTS: usize = 4;
 pub const PROBE_GROUPS: usize = 4;
 /// Attempts at a CAS transaction before giving up with [`TableError::Contended`].
 pub const MAX_ATTEMPTS: u32 = 8;
-/// Version tag of the record encoding; other tags read as empty.
-const TAG_RECORD: u8 = 7;
+/// Version tag of the record encoding; other tags read as empty (8: the lease keeps the
+/// previous lease's id, unspent tokens and expiry).
+const TAG_RECORD: u8 = 8;
 /// Version tag of a group of slots.
 const TAG_GROUP: u8 = 3;
 
@@ -98,6 +99,14 @@ pub struct Lease {
     pub seq: u64,
     /// What the latest lease granted: a return never gives back more.
     pub granted: u64,
+    /// The lease before the latest, while tokens it granted may be unspent: its sequence
+    /// number, its unspent tokens when the latest was credited (at most what it granted; part
+    /// of `tokens`), and its expiry. Tokens are spent oldest first, so at expiry the latest
+    /// lease keeps up to what it granted, the previous one up to `prev_tokens` of the rest,
+    /// and each is returned under its own id (see `global::expire`).
+    pub prev_seq: u64,
+    pub prev_tokens: u64,
+    pub prev_expires_ms: u64,
     /// A background refill is in flight on this instance until this time.
     pub pending_until_ms: u64,
     /// The limiter said "over limit" until this time: deny without asking again.
@@ -204,7 +213,7 @@ impl Record {
 }
 
 /// Words of a lease.
-const LEASE_FIELDS: usize = 20;
+const LEASE_FIELDS: usize = 23;
 /// Bytes of in-flight slots: the epoch and a count per epoch.
 const SLOTS_BYTES: usize = 8 + 4 * EPOCHS;
 /// After the id, at most: flags, the bucket (2 words), the lease, the slots, `evictable_at_ms`.
@@ -303,6 +312,9 @@ fn encode_lease(l: &Lease, out: &mut Vec<u8>) {
         l.assigned_until_ms,
         l.renew_at_ms,
         l.assigned_at_ms,
+        l.prev_seq,
+        l.prev_tokens,
+        l.prev_expires_ms,
     ] {
         out.extend_from_slice(&value.to_le_bytes());
     }
@@ -449,11 +461,14 @@ fn decode_lease(words: &[u8]) -> Option<Lease> {
         assigned_until_ms: u(12)?,
         renew_at_ms: u(13)?,
         assigned_at_ms: u(14)?,
-        rate_per_s: f64::from_le_bytes(word(15)?),
-        drip_per_ms: f64::from_le_bytes(word(16)?),
-        drip_carry: f64::from_le_bytes(word(17)?),
-        asked_demand_per_s: f64::from_le_bytes(word(18)?),
-        debt: u(19)?,
+        prev_seq: u(15)?,
+        prev_tokens: u(16)?,
+        prev_expires_ms: u(17)?,
+        rate_per_s: f64::from_le_bytes(word(18)?),
+        drip_per_ms: f64::from_le_bytes(word(19)?),
+        drip_carry: f64::from_le_bytes(word(20)?),
+        asked_demand_per_s: f64::from_le_bytes(word(21)?),
+        debt: u(22)?,
     })
 }
 

@@ -699,11 +699,12 @@ impl Worker {
                         .engine
                         .credit(ctx.store, need, grant, a.seq, ctx.now_ms, a.fresh)
                     {
-                        Ok(()) if grant.granted > 0 || grant.share_per_s > 0.0 => {
+                        Ok(displaced) if grant.granted > 0 || grant.share_per_s > 0.0 => {
+                            self.queued_returns.extend(displaced);
                             let at_ms = ctx.now_ms.saturating_add(grant.expires_ms);
                             self.watch(need.policy, &need.key, &need.bucket_id, at_ms);
                         }
-                        Ok(()) => {}
+                        Ok(displaced) => self.queued_returns.extend(displaced),
                         Err(error) => {
                             log::warn!("granted tokens lost (table {error:?})");
                             ctx.metrics
@@ -895,22 +896,23 @@ impl Worker {
                 continue;
             };
             match take_expired(ctx.engine, ctx.store, &bucket_id, ctx.now_ms) {
-                Ok(LeaseExpiry::Taken {
-                    seq,
-                    returnable,
-                    expired,
-                }) => {
-                    if returnable > 0 {
-                        self.queued_returns.push(ReturnNeed {
-                            policy: watched.policy,
-                            key: watched.key,
-                            seq,
-                            unused: returnable,
-                        });
+                Ok(LeaseExpiry::Taken { expiry, live_until }) => {
+                    for (seq, unused) in expiry.returns {
+                        if unused > 0 {
+                            self.queued_returns.push(ReturnNeed {
+                                policy: watched.policy,
+                                key: watched.key.clone(),
+                                seq,
+                                unused,
+                            });
+                        }
                     }
-                    if expired > 0 {
+                    if expiry.expired > 0 {
                         ctx.metrics
-                            .lease(watched.policy, LeaseEvent::Expired(expired));
+                            .lease(watched.policy, LeaseEvent::Expired(expiry.expired));
+                    }
+                    if let Some(until_ms) = live_until {
+                        self.watch(watched.policy, &watched.key, &bucket_id, until_ms);
                     }
                 }
                 Ok(LeaseExpiry::Live(until_ms)) => {
@@ -947,12 +949,12 @@ impl Worker {
 /// What a key's record held when the worker looked at its lease for expiry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LeaseExpiry {
-    /// The lease had expired: its unspent tokens were taken out of the record (`returnable`
-    /// to give back under lease `seq`, `expired` older leftovers that cannot be).
+    /// A lease had expired: its unspent tokens were taken out of the record (to give back
+    /// under their lease ids, or counted expired). `live_until`: the latest lease runs on
+    /// until then (only the previous lease had expired).
     Taken {
-        seq: u64,
-        returnable: u64,
-        expired: u64,
+        expiry: global::Expiry,
+        live_until: Option<u64>,
     },
     /// The lease runs until then (a later answer renewed it).
     Live(u64),
@@ -979,18 +981,21 @@ fn take_expired(
                 return Txn::Abort(LeaseExpiry::Empty);
             };
             global::accrue(lease, now_ms);
-            let seq = lease.seq;
-            match global::expire(lease, now_ms) {
-                Some((returnable, expired)) => Txn::Commit(LeaseExpiry::Taken {
-                    seq,
-                    returnable,
-                    expired,
+            let expiry = global::expire(lease, now_ms);
+            let live =
+                lease.expires_ms > now_ms && (lease.tokens > 0 || lease.drip_until_ms > now_ms);
+            // The previous lease's expiry comes first, if it still has tokens to give back.
+            let until_ms = if lease.prev_seq != 0 {
+                lease.prev_expires_ms.min(lease.expires_ms)
+            } else {
+                lease.expires_ms
+            };
+            match expiry {
+                Some(expiry) => Txn::Commit(LeaseExpiry::Taken {
+                    expiry,
+                    live_until: live.then_some(until_ms),
                 }),
-                None if lease.expires_ms > now_ms
-                    && (lease.tokens > 0 || lease.drip_until_ms > now_ms) =>
-                {
-                    Txn::Abort(LeaseExpiry::Live(lease.expires_ms))
-                }
+                None if live => Txn::Abort(LeaseExpiry::Live(until_ms)),
                 None => Txn::Abort(LeaseExpiry::Empty),
             }
         },

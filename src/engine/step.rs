@@ -166,18 +166,19 @@ impl Engine {
             global::observe_demand(lease, cost, now_ms);
         }
         global::accrue(lease, now_ms);
-        let seq = lease.seq;
-        if let Some((returnable, expired)) = global::expire(lease, now_ms) {
-            if returnable > 0 {
-                scratch.returns.push(ReturnNeed {
-                    policy: matched.index,
-                    key: matched.key.clone(),
-                    seq,
-                    unused: returnable,
-                });
+        if let Some(expiry) = global::expire(lease, now_ms) {
+            for (seq, unused) in expiry.returns {
+                if unused > 0 {
+                    scratch.returns.push(ReturnNeed {
+                        policy: matched.index,
+                        key: matched.key.clone(),
+                        seq,
+                        unused,
+                    });
+                }
             }
-            if expired > 0 {
-                scratch.expired.push((matched.index, expired));
+            if expiry.expired > 0 {
+                scratch.expired.push((matched.index, expiry.expired));
             }
         }
         if global::renewal_due(lease, now_ms) {

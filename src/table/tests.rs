@@ -371,6 +371,9 @@ fn corrupt_slots_read_as_empty() {
             assigned_at_ms: 26,
             asked_demand_per_s: 27.5,
             debt: 28,
+            prev_seq: 40,
+            prev_tokens: 41,
+            prev_expires_ms: 42,
         },
         in_flight: tollgate_core::in_flight::Slots {
             epoch: 29,
@@ -444,6 +447,17 @@ fn corrupt_slots_read_as_empty() {
     let bytes = encode(&record);
     assert_eq!(decode(&bytes[..bytes.len() - 1]), None);
     assert_eq!(decode(&[bytes.as_slice(), &[0]].concat()), None);
+    // A record of the layout before the previous lease was kept (tag 7, a lease of 20
+    // words) reads as empty: its lease would otherwise be read with the wrong words.
+    let mut old = encode(&Record {
+        log: None,
+        counters: None,
+        in_flight: Default::default(),
+        ..record.clone()
+    });
+    old[0] = 7;
+    old.drain(7 + 16 + 20 * 8..7 + 16 + 23 * 8);
+    assert_eq!(decode(&old), None);
 }
 
 /// Every record of the table, with its group.

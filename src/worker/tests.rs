@@ -532,27 +532,132 @@ fn a_renewed_lease_is_watched_until_its_new_expiry() {
         &Req("t"),
     );
     let m = plan.enforced[0].clone();
-    // Another worker's answer renews the lease at 1.5 s (5 more tokens, expiring at 3.5 s):
-    // this worker's watch at 2 s finds it live, and returns it only after its new expiry.
-    rig.engine
+    let first = rig
+        .engine
         .table()
-        .update(&rig.store, &m.bucket_id, 1_500, |record| {
-            record.lease.tokens += 5;
-            record.lease.granted = 5;
-            record.lease.seq = 77;
-            record.lease.expires_ms = 3_500;
-        })
+        .update(&rig.store, &m.bucket_id, 1_000, |record| record.lease.seq)
         .unwrap();
+    // Another worker's answer renews the lease at 1.5 s (5 more tokens, expiring at 3.5 s):
+    // the first lease's 3 unspent tokens merge with them.
+    let need = LeaseNeed {
+        policy: m.index,
+        key: m.key.clone(),
+        bucket_id: m.bucket_id.clone(),
+        min: 1,
+        want: 5,
+        demand_per_s: 1.0,
+        blocking: false,
+        asked_ms: 1_500,
+    };
+    let grant = LeaseGranted {
+        id: global::lease_id(0xabc, 77),
+        granted: 5,
+        remaining: 0.0,
+        retry_after_ms: 0,
+        expires_ms: 2_000,
+        share_per_s: 0.0,
+        period_ms: 0,
+    };
+    let displaced = rig
+        .engine
+        .credit(&rig.store, &need, &grant, 77, 1_500, true)
+        .unwrap();
+    assert_eq!(displaced, None);
+    // The watch at 2 s finds the first lease expired: its 3 tokens go back under its id, and
+    // the renewed lease stays until its own expiry.
     rig.tick(2_050);
-    assert!(returns_sent(&rig).is_empty(), "a live lease stays");
-    assert_eq!(rig.worker.watching(), 1);
+    let returns = returns_sent(&rig);
+    assert_eq!(returns.len(), 1);
+    assert_eq!(returns[0].returns.len(), 1);
+    assert_eq!(returns[0].returns[0].unused, 3);
+    assert_eq!(returns[0].returns[0].id, global::lease_id(0xabc, first));
+    assert_eq!(rig.worker.watching(), 1, "a live lease stays watched");
+    rig.answer_all(2_051);
     rig.tick(3_550);
     let returns = returns_sent(&rig);
     assert_eq!(returns.len(), 1);
-    // What the latest lease granted goes back under its id; the older leftover expires.
+    // Then what the latest lease granted goes back under its id; nothing expires.
+    assert_eq!(returns[0].returns.len(), 1);
     assert_eq!(returns[0].returns[0].unused, 5);
     assert_eq!(returns[0].returns[0].id, global::lease_id(0xabc, 77));
-    assert_eq!(sink::value("tollgate_tokens_expired.policy.g"), 3);
+    rig.answer_all(3_551);
+    assert_eq!(sink::value("tollgate_tokens_returned.policy.g"), 8);
+    assert_eq!(sink::value("tollgate_tokens_expired.policy.g"), 0);
+    assert_eq!(rig.worker.watching(), 0);
+}
+
+#[test]
+fn refills_merged_into_a_lease_return_every_unspent_token_under_its_lease_id() {
+    let rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    let plan = rig.engine.plan(
+        &RequestFacts {
+            method: "GET".into(),
+            path: "/x".into(),
+            host: "h".into(),
+        },
+        &Req("t"),
+    );
+    let m = plan.enforced[0].clone();
+    let need = LeaseNeed {
+        policy: m.index,
+        key: m.key.clone(),
+        bucket_id: m.bucket_id.clone(),
+        min: 1,
+        want: 5,
+        demand_per_s: 1.0,
+        blocking: false,
+        asked_ms: 0,
+    };
+    let grant = |granted| LeaseGranted {
+        id: String::new(),
+        granted,
+        remaining: 0.0,
+        retry_after_ms: 0,
+        expires_ms: 2_000,
+        share_per_s: 0.0,
+        period_ms: 0,
+    };
+    let spend = |rig: &Rig, units: u64, now: u64| {
+        rig.engine
+            .table()
+            .update(&rig.store, &m.bucket_id, now, |record| {
+                record.lease.tokens -= units;
+            })
+            .unwrap();
+    };
+    // A big lease, mostly unspent when a small refill merges into it.
+    rig.engine
+        .credit(&rig.store, &need, &grant(10), 1, 0, true)
+        .unwrap();
+    spend(&rig, 3, 10);
+    let displaced = rig
+        .engine
+        .credit(&rig.store, &need, &grant(2), 2, 100, true)
+        .unwrap();
+    assert_eq!(displaced, None, "two lease ids are kept");
+    // The oldest tokens are spent first: 4 of lease 1's 7.
+    spend(&rig, 4, 200);
+    // Lease 2 expires at 2.1 s, lease 1 at 2 s: a request after both takes everything.
+    let d = rig
+        .engine
+        .decide(&plan, &rig.store, 2_200, Attempt::default());
+    let mut returned: Vec<_> = d.returns.iter().map(|r| (r.seq, r.unused)).collect();
+    returned.sort_unstable();
+    assert_eq!(returned, vec![(1, 3), (2, 2)]);
+    assert!(d.expired.is_empty(), "nothing expires: {:?}", d.expired);
+    // A third lease while two are unspent: the oldest one's part goes back at once.
+    rig.engine
+        .credit(&rig.store, &need, &grant(10), 3, 3_000, true)
+        .unwrap();
+    rig.engine
+        .credit(&rig.store, &need, &grant(1), 4, 3_100, true)
+        .unwrap();
+    let displaced = rig
+        .engine
+        .credit(&rig.store, &need, &grant(1), 5, 3_200, true)
+        .unwrap()
+        .map(|r| (r.seq, r.unused));
+    assert_eq!(displaced, Some((3, 10)));
 }
 
 #[test]
