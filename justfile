@@ -79,7 +79,7 @@ check-policies *files="policies/*.json": build-limiter
 # dependency policy (deny.toml: licenses, bans, sources).
 lint: deny
     cargo fmt --all -- --check
-    cargo clippy --workspace --all-targets --features tollgate-e2e/e2e,tollgate-limiter/e2e -- -D warnings
+    cargo clippy --workspace --all-targets --features tollgate-e2e/e2e,tollgate-limiter/e2e,tollgate-bench/micro -- -D warnings
     cargo clippy -p tollgate -p tollgate-core --target wasm32-wasip1 -- -D warnings
 
 # Licenses, banned or duplicate crates, and sources of every dependency (deny.toml).
