@@ -470,21 +470,7 @@ impl Shared {
         }
         self.metrics.set_regional_held(&held);
         for (id, lease_id, tokens) in returns {
-            let shared = Arc::clone(self);
-            tokio::spawn(async move {
-                let sent = shared.clock.now_ms();
-                let result = shared
-                    .parent
-                    .give_back(&lease_id, &id.0, &id.1, tokens)
-                    .await;
-                let took = shared.clock.now_ms() - sent;
-                shared.metrics.parent_call("return", outcome(&result), took);
-                let returned = result.unwrap_or(0);
-                shared.metrics.regional_tokens(&id.0, "returned", returned);
-                shared
-                    .metrics
-                    .regional_tokens(&id.0, "expired", tokens.saturating_sub(returned));
-            });
+            self.return_to_parent(id, lease_id, tokens);
         }
     }
 
