@@ -199,6 +199,15 @@ impl Clone for Record {
 }
 
 impl Record {
+    /// Becomes `Record::fresh(id)`, keeping the id's buffer.
+    fn reset(&mut self, id: &str) {
+        let mut fresh = Record::fresh("");
+        std::mem::swap(&mut fresh.id, &mut self.id);
+        fresh.id.clear();
+        fresh.id.push_str(id);
+        *self = fresh;
+    }
+
     pub fn fresh(id: &str) -> Self {
         Self {
             id: id.to_string(),
@@ -331,13 +340,27 @@ fn encode_lease(l: &Lease, out: &mut Vec<u8>) {
 
 /// `None` for an empty slot, or bytes that are not a record of this version (treated as empty).
 fn decode(bytes: &[u8]) -> Option<Record> {
+    let mut record = Record::fresh("");
+    decode_into(bytes, None, &mut record)?;
+    Some(record)
+}
+
+/// Decodes into `out`, reusing its id's buffer (a transaction's records are kept per thread).
+/// `known_id`: the id the caller has already compared with the record's bytes, copied without
+/// checking its UTF-8 again. On `None` (not a record of this version) `out` is left partly
+/// written: the caller discards it.
+fn decode_into(bytes: &[u8], known_id: Option<&str>, out: &mut Record) -> Option<()> {
     let (&tag, rest) = bytes.split_first()?;
     if tag != TAG_RECORD {
         return None;
     }
     let len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
     let rest = rest.get(2..)?;
-    let id = std::str::from_utf8(rest.get(..len)?).ok()?.to_string();
+    let id_bytes = rest.get(..len)?;
+    let id = match known_id {
+        Some(known) if known.as_bytes() == id_bytes => known,
+        _ => std::str::from_utf8(id_bytes).ok()?,
+    };
     let (&flags, fixed) = rest.get(len..)?.split_first()?;
     let bucket_words = if flags & HAS_BUCKET != 0 { 2 } else { 0 };
     let lease_words = if flags & HAS_LEASE != 0 {
@@ -418,15 +441,26 @@ fn decode(bytes: &[u8]) -> Option<Record> {
         None
     };
     let last = fixed.get(log_at + log_bytes..)?;
-    Some(Record {
-        id,
-        bucket,
-        lease,
-        in_flight,
-        counters,
-        log,
-        evictable_at_ms: u64::from_le_bytes(last.try_into().ok()?),
-    })
+    let evictable_at_ms = u64::from_le_bytes(last.try_into().ok()?);
+    // Every field by name: a field added to `Record` fails to compile here until it is decoded.
+    let Record {
+        id: out_id,
+        bucket: out_bucket,
+        lease: out_lease,
+        in_flight: out_in_flight,
+        counters: out_counters,
+        log: out_log,
+        evictable_at_ms: out_evictable_at_ms,
+    } = out;
+    out_id.clear();
+    out_id.push_str(id);
+    *out_bucket = bucket;
+    *out_lease = lease;
+    *out_in_flight = in_flight;
+    *out_counters = counters;
+    *out_log = log;
+    *out_evictable_at_ms = evictable_at_ms;
+    Some(())
 }
 
 fn decode_slots(bytes: &[u8]) -> Option<Slots> {
@@ -535,7 +569,7 @@ impl Group {
 
     /// The slot holding `id`'s record, with the record pushed onto `out`, decoding only that
     /// one (the first slot whose record has the id, as in the decoded slots).
-    fn find_into(&self, id: &str, out: &mut Vec<Record>) -> Option<usize> {
+    fn find_into(&self, id: &str, out: &mut RecordList) -> Option<usize> {
         slot_spans(&self.raw)
             .iter()
             .enumerate()
@@ -544,7 +578,14 @@ impl Group {
                 if entry_id(entry)? != id.as_bytes() {
                     return None;
                 }
-                out.push(decode(entry)?);
+                if out
+                    .push()
+                    .and_then(|record| decode_into(entry, Some(id), record))
+                    .is_none()
+                {
+                    out.pop();
+                    return None;
+                }
                 Some(slot)
             })
     }
@@ -668,9 +709,57 @@ fn decode_group(bytes: &[u8]) -> Vec<Option<Record>> {
 struct Buffers {
     groups: Vec<Group>,
     places: Vec<Place>,
-    before: Vec<Record>,
-    records: Vec<Record>,
+    before: RecordList,
+    records: RecordList,
     write: WriteScratch,
+}
+
+/// A list of records that keeps the ones it drops (up to the most it held), so the next
+/// records written into it reuse their ids' buffers and are decoded in place instead of moved.
+#[derive(Default)]
+struct RecordList {
+    items: Vec<Record>,
+    len: usize,
+}
+
+impl RecordList {
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    fn as_slice(&self) -> &[Record] {
+        self.items.get(..self.len).unwrap_or_default()
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [Record] {
+        self.items.get_mut(..self.len).unwrap_or_default()
+    }
+
+    /// A new last record holding a dropped one's stale fields: the caller sets every field.
+    /// (Always `Some`: a record is added when none is kept.)
+    fn push(&mut self) -> Option<&mut Record> {
+        if self.len >= self.items.len() {
+            self.items.push(Record::fresh(""));
+        }
+        let record = self.items.get_mut(self.len)?;
+        self.len += 1;
+        Some(record)
+    }
+
+    /// Drops the last record.
+    fn pop(&mut self) {
+        self.len = self.len.saturating_sub(1);
+    }
+
+    /// Becomes a copy of `source`, reusing its records' buffers.
+    fn copy_from(&mut self, source: &[Record]) {
+        self.len = 0;
+        for record in source {
+            if let Some(copy) = self.push() {
+                copy.clone_from(record);
+            }
+        }
+    }
 }
 
 /// What writing a transaction's groups works in: the groups in write order, which items
@@ -939,7 +1028,7 @@ impl SlotTable {
         groups: &mut Vec<Group>,
         indices: &[u32],
         id: &str,
-        before: &mut Vec<Record>,
+        before: &mut RecordList,
     ) -> Result<Option<(usize, usize)>, TableError> {
         for &index in indices {
             let group = self.group_at(store, groups, index)?;
@@ -1198,10 +1287,12 @@ impl SlotTable {
                     evicts,
                     candidates,
                 });
-                before.push(Record::fresh(id));
+                if let Some(record) = before.push() {
+                    record.reset(id);
+                }
             }
-            records.clone_from(before);
-            let value = match decide(records) {
+            records.copy_from(before.as_slice());
+            let value = match decide(records.as_mut_slice()) {
                 Txn::Abort(value) => {
                     return Ok(Transacted {
                         value,
@@ -1211,7 +1302,15 @@ impl SlotTable {
                 }
                 Txn::Commit(value) => value,
             };
-            match self.write_all(store, groups, places, before, records, write, &refund) {
+            match self.write_all(
+                store,
+                groups,
+                places,
+                before.as_slice(),
+                records.as_slice(),
+                write,
+                &refund,
+            ) {
                 Ok(evictions) => {
                     return Ok(Transacted {
                         value,

@@ -306,6 +306,7 @@ fn request_path(c: &mut Criterion) {
             want: 100,
             demand_per_s: 100.0,
             blocking: true,
+            asked_ms: 10_000,
         };
         let grant = LeaseGranted {
             id: "bench".into(),
