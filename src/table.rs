@@ -525,11 +525,11 @@ pub struct Transacted<T> {
 }
 
 /// One group of slots as read, with its CAS stamp.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 struct Group {
     index: u32,
     /// Its shared-data key.
-    name: GroupName,
+    name: String,
     cas: u32,
     /// The value as read: what a confirming write puts back, and what a write changes only
     /// the slots of (the other slots' bytes are copied, never decoded).
@@ -707,11 +707,49 @@ fn decode_group(bytes: &[u8]) -> Vec<Option<Record>> {
 /// transaction the thread has made: a few records).
 #[derive(Default)]
 struct Buffers {
-    groups: Vec<Group>,
+    groups: GroupList,
     places: Vec<Place>,
     before: RecordList,
     records: RecordList,
     write: WriteScratch,
+}
+
+/// The groups a transaction read, keeping the ones it drops (up to the most it held) so the
+/// next reads reuse their value's and name's buffers.
+#[derive(Default)]
+struct GroupList {
+    items: Vec<Group>,
+    len: usize,
+}
+
+impl GroupList {
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    fn as_slice(&self) -> &[Group] {
+        self.items.get(..self.len).unwrap_or_default()
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [Group] {
+        self.items.get_mut(..self.len).unwrap_or_default()
+    }
+
+    /// A new last group holding a dropped one's buffers and stale fields: the caller reads
+    /// into it. (Always `Some`: a group is added when none is kept.)
+    fn push(&mut self) -> Option<&mut Group> {
+        if self.len >= self.items.len() {
+            self.items.push(Group::default());
+        }
+        let group = self.items.get_mut(self.len)?;
+        self.len += 1;
+        Some(group)
+    }
+
+    /// Drops the last group.
+    fn pop(&mut self) {
+        self.len = self.len.saturating_sub(1);
+    }
 }
 
 /// A list of records that keeps the ones it drops (up to the most it held), so the next
@@ -815,58 +853,6 @@ struct Candidates {
 impl Candidates {
     fn as_slice(&self) -> &[u32] {
         self.groups.get(..self.len).unwrap_or(&[])
-    }
-}
-
-/// Bytes of a group's shared-data key built on the stack; a longer prefix takes the heap.
-const GROUP_NAME_BYTES: usize = 96;
-
-/// A group's shared-data key, `<prefix>group/<n>`.
-#[derive(Debug, Clone)]
-enum GroupName {
-    Stack([u8; GROUP_NAME_BYTES], usize),
-    Heap(String),
-}
-
-impl GroupName {
-    fn new(prefix: &str, group: u32) -> Self {
-        // The group number's decimal digits, last first.
-        let mut digits = [0u8; 10];
-        let mut count = 0;
-        let mut n = group;
-        for digit in digits.iter_mut() {
-            *digit = b'0' + (n % 10) as u8;
-            count += 1;
-            n /= 10;
-            if n == 0 {
-                break;
-            }
-        }
-        const MIDDLE: &[u8] = b"group/";
-        let len = prefix.len() + MIDDLE.len() + count;
-        let mut buf = [0u8; GROUP_NAME_BYTES];
-        let Some(out) = buf.get_mut(..len) else {
-            return GroupName::Heap(format!("{prefix}group/{group}"));
-        };
-        let (head, number) = out.split_at_mut(prefix.len() + MIDDLE.len());
-        let (p, m) = head.split_at_mut(prefix.len());
-        p.copy_from_slice(prefix.as_bytes());
-        m.copy_from_slice(MIDDLE);
-        for (dst, src) in number.iter_mut().zip(digits.iter().take(count).rev()) {
-            *dst = *src;
-        }
-        GroupName::Stack(buf, len)
-    }
-
-    fn as_str(&self) -> &str {
-        match self {
-            // The prefix is a `str` and the rest ASCII, so this never fails.
-            GroupName::Stack(buf, len) => buf
-                .get(..*len)
-                .and_then(|b| std::str::from_utf8(b).ok())
-                .unwrap_or_default(),
-            GroupName::Heap(name) => name,
-        }
     }
 }
 
@@ -990,9 +976,26 @@ impl SlotTable {
         format!("{}group/{group}", self.prefix)
     }
 
-    /// [`SlotTable::group_key`] on the stack: a lookup allocates no key name.
-    fn group_name(&self, group: u32) -> GroupName {
-        GroupName::new(&self.prefix, group)
+    /// [`SlotTable::group_key`] into `out` (a kept buffer: a lookup allocates no key name).
+    fn group_name_into(&self, group: u32, out: &mut String) {
+        out.clear();
+        out.push_str(&self.prefix);
+        out.push_str("group/");
+        // The group number's decimal digits, filled from the end.
+        let mut digits = [0u8; 10];
+        let mut start = digits.len();
+        let mut n = group;
+        for digit in digits.iter_mut().rev() {
+            *digit = b'0' + (n % 10) as u8;
+            start -= 1;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        // ASCII digits: always UTF-8.
+        let number = digits.get(start..).unwrap_or_default();
+        out.push_str(std::str::from_utf8(number).unwrap_or_default());
     }
 
     fn region_of(&self, id: &str) -> Region {
@@ -1025,14 +1028,18 @@ impl SlotTable {
     fn find_in(
         &self,
         store: &impl SharedData,
-        groups: &mut Vec<Group>,
+        groups: &mut GroupList,
         indices: &[u32],
         id: &str,
         before: &mut RecordList,
     ) -> Result<Option<(usize, usize)>, TableError> {
         for &index in indices {
             let group = self.group_at(store, groups, index)?;
-            if let Some(slot) = groups.get(group).and_then(|g| g.find_into(id, before)) {
+            if let Some(slot) = groups
+                .as_slice()
+                .get(group)
+                .and_then(|g| g.find_into(id, before))
+            {
                 return Ok(Some((group, slot)));
             }
         }
@@ -1077,56 +1084,72 @@ impl Probe {
 
 impl SlotTable {
     fn read(&self, store: &impl SharedData, index: u32) -> Result<Group, TableError> {
-        let name = self.group_name(index);
-        if let Some(group) = self.try_read(store, &name, index)? {
-            return Ok(group);
-        }
-        // Created at open (or, past the opened groups, on first use); recreate, then re-read.
-        create_if_absent(
-            store,
-            name.as_str(),
-            &encode_group(&vec![None; GROUP_SLOTS]),
-        )?;
-        self.try_read(store, &name, index)?.ok_or(TableError::Host)
+        let mut group = Group::default();
+        self.read_into(store, index, &mut group)?;
+        Ok(group)
     }
 
-    fn try_read(
+    /// Reads group `index` into `group`, reusing its value's and name's buffers.
+    fn read_into(
         &self,
         store: &impl SharedData,
-        name: &GroupName,
         index: u32,
-    ) -> Result<Option<Group>, TableError> {
-        let group = |cas, raw: Vec<u8>| Group {
-            index,
-            name: name.clone(),
-            cas,
-            slots: None,
-            raw,
-            rank: None,
-            candidate: false,
-        };
-        Ok(
-            match store.get(name.as_str()).map_err(|_| TableError::Host)? {
-                (Some(bytes), Some(cas)) => Some(group(cas, bytes)),
-                // A present key with an empty value (what a shared-data "remove" leaves).
-                (None, Some(cas)) => Some(group(cas, encode_group(&vec![None; GROUP_SLOTS]))),
-                (_, None) => None,
-            },
-        )
+        group: &mut Group,
+    ) -> Result<(), TableError> {
+        self.group_name_into(index, &mut group.name);
+        if Self::try_read_into(store, index, group)? {
+            return Ok(());
+        }
+        // Created at open (or, past the opened groups, on first use); recreate, then re-read.
+        create_if_absent(store, &group.name, &encode_group(&vec![None; GROUP_SLOTS]))?;
+        if Self::try_read_into(store, index, group)? {
+            Ok(())
+        } else {
+            Err(TableError::Host)
+        }
     }
 
-    /// Position of group `index` among the transaction's groups, reading it on first use.
+    /// Reads the group named `group.name`; `false` when its key is missing.
+    fn try_read_into(
+        store: &impl SharedData,
+        index: u32,
+        group: &mut Group,
+    ) -> Result<bool, TableError> {
+        let Some(cas) = store
+            .get_into(&group.name, &mut group.raw)
+            .map_err(|_| TableError::Host)?
+        else {
+            return Ok(false);
+        };
+        if group.raw.is_empty() {
+            // A present key with an empty value (what a shared-data "remove" leaves).
+            group.raw = encode_group(&vec![None; GROUP_SLOTS]);
+        }
+        group.index = index;
+        group.cas = cas;
+        group.slots = None;
+        group.rank = None;
+        group.candidate = false;
+        Ok(true)
+    }
+
+    /// Position of group `index` among the transaction's groups, reading it on first use (into
+    /// a kept group's buffers).
     fn group_at(
         &self,
         store: &impl SharedData,
-        groups: &mut Vec<Group>,
+        groups: &mut GroupList,
         index: u32,
     ) -> Result<usize, TableError> {
-        if let Some(position) = groups.iter().position(|g| g.index == index) {
+        if let Some(position) = groups.as_slice().iter().position(|g| g.index == index) {
             return Ok(position);
         }
-        groups.push(self.read(store, index)?);
-        Ok(groups.len() - 1)
+        let group = groups.push().ok_or(TableError::Host)?;
+        if let Err(error) = self.read_into(store, index, group) {
+            groups.pop();
+            return Err(error);
+        }
+        Ok(groups.as_slice().len() - 1)
     }
 
     /// Where a new key goes among its `candidates` (indices into `groups`): group, slot and
@@ -1264,20 +1287,21 @@ impl SlotTable {
                 let mut candidates = Vec::with_capacity(PROBE_GROUPS);
                 for &index in probe.as_slice() {
                     let group = self.group_at(store, groups, index)?;
-                    if let Some(g) = groups.get_mut(group) {
+                    if let Some(g) = groups.as_mut_slice().get_mut(group) {
                         g.decode_slots();
                     }
                     candidates.push(group);
                 }
-                let (group, slot, evicts) = Self::choose(groups, &candidates, places, ids, now_ms)?;
-                if let Some(g) = groups.get_mut(group) {
+                let (group, slot, evicts) =
+                    Self::choose(groups.as_slice(), &candidates, places, ids, now_ms)?;
+                if let Some(g) = groups.as_mut_slice().get_mut(group) {
                     if g.rank.is_none() {
                         g.rank = Some(next_rank);
                         next_rank += 1;
                     }
                 }
                 for &c in &candidates {
-                    if let Some(g) = groups.get_mut(c) {
+                    if let Some(g) = groups.as_mut_slice().get_mut(c) {
                         g.candidate = true;
                     }
                 }
@@ -1304,7 +1328,7 @@ impl SlotTable {
             };
             match self.write_all(
                 store,
-                groups,
+                groups.as_slice(),
                 places,
                 before.as_slice(),
                 records.as_slice(),

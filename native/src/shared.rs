@@ -157,6 +157,19 @@ impl SharedData for ProcessSharedData {
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), WriteError> {
         self.set_hashed(key, self.hash(key), value, cas)
     }
+
+    fn get_into(&self, key: &str, value: &mut Vec<u8>) -> Result<Option<u32>, ReadError> {
+        let hash = self.hash(key);
+        let map = lock(self.shard(hash).ok_or(ReadError)?);
+        value.clear();
+        Ok(map
+            .get(&hash)
+            .and_then(|entries| entries.iter().find(|e| e.key == key))
+            .map(|entry| {
+                value.extend_from_slice(&entry.value);
+                entry.stamp
+            }))
+    }
 }
 
 #[cfg(test)]
@@ -221,6 +234,9 @@ mod tests {
             Some(&b"3"[..])
         );
         assert_eq!(store.get_hashed("c", hash).unwrap(), (None, None));
+        let mut kept = b"leftover".to_vec();
+        assert_eq!(store.get_into("missing", &mut kept).unwrap(), None);
+        assert!(kept.is_empty());
         assert_eq!(store.len(), 2);
     }
 
@@ -253,6 +269,11 @@ mod tests {
             stamps_ours.insert(key, s1);
             stamps_ref.insert(key, s2);
             assert_eq!(ours.get(key).unwrap().0, reference.get(key).unwrap().0);
+            // A read into a kept buffer gives the same value and stamp.
+            let mut kept = b"leftover".to_vec();
+            let (value, stamp) = ours.get(key).unwrap();
+            assert_eq!(ours.get_into(key, &mut kept).unwrap(), stamp);
+            assert_eq!(Some(kept), value);
         }
     }
 

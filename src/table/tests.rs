@@ -1275,3 +1275,14 @@ fn decoding_into_a_kept_record_overwrites_every_field() {
     list.pop();
     assert!(list.as_slice().is_empty());
 }
+
+#[test]
+fn group_names_built_in_a_kept_buffer_are_the_group_keys() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 64);
+    let mut name = String::from("a longer leftover name");
+    for group in [0, 1, 9, 10, 15, 99, 100, 12345, u32::MAX] {
+        table.group_name_into(group, &mut name);
+        assert_eq!(name, table.group_key(group));
+    }
+}
