@@ -993,9 +993,10 @@ impl SlotTable {
                 break;
             }
         }
-        // ASCII digits: always UTF-8.
-        let number = digits.get(start..).unwrap_or_default();
-        out.push_str(std::str::from_utf8(number).unwrap_or_default());
+        // ASCII digits, pushed as chars (cheaper than checking them as UTF-8).
+        for digit in digits.get(start..).unwrap_or_default() {
+            out.push(char::from(*digit));
+        }
     }
 
     fn region_of(&self, id: &str) -> Region {
