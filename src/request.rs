@@ -14,6 +14,11 @@ use tollgate_core::policy::{KeyPart, Policy};
 pub trait RequestSource {
     /// First value of a request header (lower-case name), raw bytes.
     fn header(&self, name: &str) -> Option<Vec<u8>>;
+    /// `f` of the first value of a request header: where the host lets the filter read the
+    /// value in place, without copying it (by default, a copy from [`RequestSource::header`]).
+    fn with_header<R>(&self, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
+        f(self.header(name).as_deref())
+    }
     /// A host property (`["source", "address"]`, jwt_authn metadata, ...), raw bytes.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 }
@@ -53,23 +58,24 @@ pub fn build_key(
             key.push(':');
         }
         let present = match part {
-            KeyPart::Header(name) => escaped(&mut key, source.header(name)),
-            KeyPart::ApiKey(name) => escaped(
-                &mut key,
-                source
-                    .header(name)
-                    .filter(|v| !v.is_empty())
-                    .map(|v| api_key_digest(&v).into_bytes()),
-            ),
+            KeyPart::Header(name) => source.with_header(name, |value| escaped(&mut key, value)),
+            KeyPart::ApiKey(name) => {
+                let digest = source.with_header(name, |value| {
+                    value.filter(|v| !v.is_empty()).map(api_key_digest)
+                });
+                escaped(&mut key, digest.as_ref().map(|d| d.as_bytes()))
+            }
             KeyPart::JwtClaim { path } => {
                 let path: Vec<&str> = path.iter().map(String::as_str).collect();
-                escaped(&mut key, source.property(&path))
+                escaped(&mut key, source.property(&path).as_deref())
             }
             // Envoy's client address (`source.address`): the connection's peer with
             // `use_remote_address: true`, or what its `xff_num_trusted_hops` picked.
             KeyPart::ClientIp { trusted_hops: 0 } => escaped(
                 &mut key,
-                client_address(source).map(|ip| ip.to_string().into_bytes()),
+                client_address(source)
+                    .map(|ip| ip.to_string().into_bytes())
+                    .as_deref(),
             ),
             // The entry Envoy's `xff_num_trusted_hops: N` would pick; when there is none (too
             // few entries, or not an IP), Envoy's client address, as Envoy falls back to the
@@ -77,12 +83,14 @@ pub fn build_key(
             KeyPart::ClientIp { trusted_hops } => escaped(
                 &mut key,
                 source
-                    .header("x-forwarded-for")
-                    .and_then(|xff| {
-                        ip_from_forwarded_for(&String::from_utf8_lossy(&xff), *trusted_hops)
+                    .with_header("x-forwarded-for", |xff| {
+                        xff.and_then(|xff| {
+                            ip_from_forwarded_for(&String::from_utf8_lossy(xff), *trusted_hops)
+                        })
                     })
                     .or_else(|| client_address(source))
-                    .map(|ip| ip.to_string().into_bytes()),
+                    .map(|ip| ip.to_string().into_bytes())
+                    .as_deref(),
             ),
             KeyPart::Constant(escaped) => {
                 key.push_str(escaped);
@@ -111,10 +119,10 @@ pub fn build_key(
 }
 
 /// Escapes a non-empty value into the key; `false` when it is absent or empty.
-fn escaped(key: &mut String, value: Option<Vec<u8>>) -> bool {
+fn escaped(key: &mut String, value: Option<&[u8]>) -> bool {
     match value {
         Some(value) if !value.is_empty() => {
-            escape_part_into(key, &value);
+            escape_part_into(key, value);
             true
         }
         _ => false,
@@ -184,6 +192,48 @@ mod tests {
             key,
             PolicyKey::Key("acme:GET%20%2fitems%2f%7bid%7d:GET".into())
         );
+    }
+
+    /// A host that lends header values in place: `header` (a copy) is never asked.
+    struct Lending(Fake);
+
+    impl RequestSource for Lending {
+        fn header(&self, _name: &str) -> Option<Vec<u8>> {
+            None
+        }
+        fn with_header<R>(&self, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
+            f(self.0.headers.get(name).map(Vec::as_slice))
+        }
+        fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+            self.0.property(path)
+        }
+    }
+
+    #[test]
+    fn header_parts_are_read_in_place_where_the_host_lends_them() {
+        let mut src = Fake::default();
+        src.headers.insert("x-tenant-id".into(), b"a:b".to_vec());
+        src.headers.insert("x-api-key".into(), b"secret".to_vec());
+        src.headers
+            .insert("x-forwarded-for".into(), b"203.0.113.7, 10.0.0.1".to_vec());
+        for key in [
+            r#"[{"header":"x-tenant-id"}]"#,
+            r#"[{"api_key":"x-api-key"}]"#,
+            r#"[{"client_ip":{"trusted_hops":1}}]"#,
+        ] {
+            let p = policy(key);
+            let copied = build_key(&p.policies[0], None, &facts(), &src, false);
+            assert!(matches!(copied, PolicyKey::Key(_)), "{key}: {copied:?}");
+            let src = Lending(Fake {
+                headers: src.headers.clone(),
+                properties: src.properties.clone(),
+            });
+            assert_eq!(
+                build_key(&p.policies[0], None, &facts(), &src, false),
+                copied,
+                "{key}"
+            );
+        }
     }
 
     #[test]

@@ -24,6 +24,16 @@ pub struct ReadError;
 pub trait SharedData {
     /// The value and its CAS stamp; `Ok((None, _))` for a missing key.
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), ReadError>;
+    /// The value into `value` (emptied first; a host that lets the filter copy reuses its
+    /// buffer) and its CAS stamp; `Ok(None)` for a missing key.
+    fn get_into(&self, key: &str, value: &mut Vec<u8>) -> Result<Option<u32>, ReadError> {
+        let (bytes, cas) = self.get(key)?;
+        match bytes {
+            Some(bytes) => *value = bytes,
+            None => value.clear(),
+        }
+        Ok(cas)
+    }
     /// Writes `value` if the key's stamp is still `cas` (see module docs for `None` and
     /// missing keys).
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), WriteError>;
@@ -89,6 +99,17 @@ impl SharedData for MemorySharedData {
         Ok(match self.map.borrow().get(key) {
             Some((value, cas)) => (Some(value.clone()), Some(*cas)),
             None => (None, None),
+        })
+    }
+
+    fn get_into(&self, key: &str, value: &mut Vec<u8>) -> Result<Option<u32>, ReadError> {
+        value.clear();
+        Ok(match self.map.borrow().get(key) {
+            Some((stored, cas)) => {
+                value.extend_from_slice(stored);
+                Some(*cas)
+            }
+            None => None,
         })
     }
 

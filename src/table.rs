@@ -199,6 +199,15 @@ impl Clone for Record {
 }
 
 impl Record {
+    /// Becomes `Record::fresh(id)`, keeping the id's buffer.
+    fn reset(&mut self, id: &str) {
+        let mut fresh = Record::fresh("");
+        std::mem::swap(&mut fresh.id, &mut self.id);
+        fresh.id.clear();
+        fresh.id.push_str(id);
+        *self = fresh;
+    }
+
     pub fn fresh(id: &str) -> Self {
         Self {
             id: id.to_string(),
@@ -331,13 +340,27 @@ fn encode_lease(l: &Lease, out: &mut Vec<u8>) {
 
 /// `None` for an empty slot, or bytes that are not a record of this version (treated as empty).
 fn decode(bytes: &[u8]) -> Option<Record> {
+    let mut record = Record::fresh("");
+    decode_into(bytes, None, &mut record)?;
+    Some(record)
+}
+
+/// Decodes into `out`, reusing its id's buffer (a transaction's records are kept per thread).
+/// `known_id`: the id the caller has already compared with the record's bytes, copied without
+/// checking its UTF-8 again. On `None` (not a record of this version) `out` is left partly
+/// written: the caller discards it.
+fn decode_into(bytes: &[u8], known_id: Option<&str>, out: &mut Record) -> Option<()> {
     let (&tag, rest) = bytes.split_first()?;
     if tag != TAG_RECORD {
         return None;
     }
     let len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
     let rest = rest.get(2..)?;
-    let id = std::str::from_utf8(rest.get(..len)?).ok()?.to_string();
+    let id_bytes = rest.get(..len)?;
+    let id = match known_id {
+        Some(known) if known.as_bytes() == id_bytes => known,
+        _ => std::str::from_utf8(id_bytes).ok()?,
+    };
     let (&flags, fixed) = rest.get(len..)?.split_first()?;
     let bucket_words = if flags & HAS_BUCKET != 0 { 2 } else { 0 };
     let lease_words = if flags & HAS_LEASE != 0 {
@@ -418,15 +441,26 @@ fn decode(bytes: &[u8]) -> Option<Record> {
         None
     };
     let last = fixed.get(log_at + log_bytes..)?;
-    Some(Record {
-        id,
-        bucket,
-        lease,
-        in_flight,
-        counters,
-        log,
-        evictable_at_ms: u64::from_le_bytes(last.try_into().ok()?),
-    })
+    let evictable_at_ms = u64::from_le_bytes(last.try_into().ok()?);
+    // Every field by name: a field added to `Record` fails to compile here until it is decoded.
+    let Record {
+        id: out_id,
+        bucket: out_bucket,
+        lease: out_lease,
+        in_flight: out_in_flight,
+        counters: out_counters,
+        log: out_log,
+        evictable_at_ms: out_evictable_at_ms,
+    } = out;
+    out_id.clear();
+    out_id.push_str(id);
+    *out_bucket = bucket;
+    *out_lease = lease;
+    *out_in_flight = in_flight;
+    *out_counters = counters;
+    *out_log = log;
+    *out_evictable_at_ms = evictable_at_ms;
+    Some(())
 }
 
 fn decode_slots(bytes: &[u8]) -> Option<Slots> {
@@ -491,11 +525,11 @@ pub struct Transacted<T> {
 }
 
 /// One group of slots as read, with its CAS stamp.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 struct Group {
     index: u32,
     /// Its shared-data key.
-    name: GroupName,
+    name: String,
     cas: u32,
     /// The value as read: what a confirming write puts back, and what a write changes only
     /// the slots of (the other slots' bytes are copied, never decoded).
@@ -535,7 +569,7 @@ impl Group {
 
     /// The slot holding `id`'s record, with the record pushed onto `out`, decoding only that
     /// one (the first slot whose record has the id, as in the decoded slots).
-    fn find_into(&self, id: &str, out: &mut Vec<Record>) -> Option<usize> {
+    fn find_into(&self, id: &str, out: &mut RecordList) -> Option<usize> {
         slot_spans(&self.raw)
             .iter()
             .enumerate()
@@ -544,7 +578,14 @@ impl Group {
                 if entry_id(entry)? != id.as_bytes() {
                     return None;
                 }
-                out.push(decode(entry)?);
+                if out
+                    .push()
+                    .and_then(|record| decode_into(entry, Some(id), record))
+                    .is_none()
+                {
+                    out.pop();
+                    return None;
+                }
                 Some(slot)
             })
     }
@@ -666,11 +707,97 @@ fn decode_group(bytes: &[u8]) -> Vec<Option<Record>> {
 /// transaction the thread has made: a few records).
 #[derive(Default)]
 struct Buffers {
-    groups: Vec<Group>,
+    groups: GroupList,
     places: Vec<Place>,
-    before: Vec<Record>,
-    records: Vec<Record>,
+    before: RecordList,
+    records: RecordList,
     write: WriteScratch,
+}
+
+/// The groups a transaction read, keeping the ones it drops (up to the most it held) so the
+/// next reads reuse their value's and name's buffers.
+#[derive(Default)]
+struct GroupList {
+    items: Vec<Group>,
+    len: usize,
+}
+
+impl GroupList {
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    fn as_slice(&self) -> &[Group] {
+        self.items.get(..self.len).unwrap_or_default()
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [Group] {
+        self.items.get_mut(..self.len).unwrap_or_default()
+    }
+
+    /// A new last group holding a dropped one's buffers and stale fields: the caller reads
+    /// into it. (Always `Some`: a group is added when none is kept.)
+    fn push(&mut self) -> Option<&mut Group> {
+        if self.len >= self.items.len() {
+            self.items.push(Group::default());
+        }
+        let group = self.items.get_mut(self.len)?;
+        self.len += 1;
+        Some(group)
+    }
+
+    /// Drops the last group.
+    fn pop(&mut self) {
+        self.len = self.len.saturating_sub(1);
+    }
+}
+
+/// A list of records that keeps the ones it drops (up to the most it held), so the next
+/// records written into it reuse their ids' buffers and are decoded in place instead of moved.
+#[derive(Default)]
+struct RecordList {
+    items: Vec<Record>,
+    len: usize,
+}
+
+impl RecordList {
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    fn as_slice(&self) -> &[Record] {
+        self.items.get(..self.len).unwrap_or_default()
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [Record] {
+        self.items.get_mut(..self.len).unwrap_or_default()
+    }
+
+    /// A new last record holding a dropped one's stale fields: the caller sets every field.
+    /// (Always `Some`: a record is added when none is kept.)
+    fn push(&mut self) -> Option<&mut Record> {
+        if self.len >= self.items.len() {
+            self.items.push(Record::fresh(""));
+        }
+        let record = self.items.get_mut(self.len)?;
+        self.len += 1;
+        Some(record)
+    }
+
+    /// Drops the last record.
+    fn pop(&mut self) {
+        self.len = self.len.saturating_sub(1);
+    }
+
+    /// Becomes a copy of `source`, reusing its records' buffers.
+    fn copy_from(&mut self, source: &[Record]) {
+        self.len = 0;
+        for record in source {
+            if let Some(copy) = self.push() {
+                copy.clone_from(record);
+            }
+        }
+    }
 }
 
 /// What writing a transaction's groups works in: the groups in write order, which items
@@ -726,58 +853,6 @@ struct Candidates {
 impl Candidates {
     fn as_slice(&self) -> &[u32] {
         self.groups.get(..self.len).unwrap_or(&[])
-    }
-}
-
-/// Bytes of a group's shared-data key built on the stack; a longer prefix takes the heap.
-const GROUP_NAME_BYTES: usize = 96;
-
-/// A group's shared-data key, `<prefix>group/<n>`.
-#[derive(Debug, Clone)]
-enum GroupName {
-    Stack([u8; GROUP_NAME_BYTES], usize),
-    Heap(String),
-}
-
-impl GroupName {
-    fn new(prefix: &str, group: u32) -> Self {
-        // The group number's decimal digits, last first.
-        let mut digits = [0u8; 10];
-        let mut count = 0;
-        let mut n = group;
-        for digit in digits.iter_mut() {
-            *digit = b'0' + (n % 10) as u8;
-            count += 1;
-            n /= 10;
-            if n == 0 {
-                break;
-            }
-        }
-        const MIDDLE: &[u8] = b"group/";
-        let len = prefix.len() + MIDDLE.len() + count;
-        let mut buf = [0u8; GROUP_NAME_BYTES];
-        let Some(out) = buf.get_mut(..len) else {
-            return GroupName::Heap(format!("{prefix}group/{group}"));
-        };
-        let (head, number) = out.split_at_mut(prefix.len() + MIDDLE.len());
-        let (p, m) = head.split_at_mut(prefix.len());
-        p.copy_from_slice(prefix.as_bytes());
-        m.copy_from_slice(MIDDLE);
-        for (dst, src) in number.iter_mut().zip(digits.iter().take(count).rev()) {
-            *dst = *src;
-        }
-        GroupName::Stack(buf, len)
-    }
-
-    fn as_str(&self) -> &str {
-        match self {
-            // The prefix is a `str` and the rest ASCII, so this never fails.
-            GroupName::Stack(buf, len) => buf
-                .get(..*len)
-                .and_then(|b| std::str::from_utf8(b).ok())
-                .unwrap_or_default(),
-            GroupName::Heap(name) => name,
-        }
     }
 }
 
@@ -901,9 +976,27 @@ impl SlotTable {
         format!("{}group/{group}", self.prefix)
     }
 
-    /// [`SlotTable::group_key`] on the stack: a lookup allocates no key name.
-    fn group_name(&self, group: u32) -> GroupName {
-        GroupName::new(&self.prefix, group)
+    /// [`SlotTable::group_key`] into `out` (a kept buffer: a lookup allocates no key name).
+    fn group_name_into(&self, group: u32, out: &mut String) {
+        out.clear();
+        out.push_str(&self.prefix);
+        out.push_str("group/");
+        // The group number's decimal digits, filled from the end.
+        let mut digits = [0u8; 10];
+        let mut start = digits.len();
+        let mut n = group;
+        for digit in digits.iter_mut().rev() {
+            *digit = b'0' + (n % 10) as u8;
+            start -= 1;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        // ASCII digits, pushed as chars (cheaper than checking them as UTF-8).
+        for digit in digits.get(start..).unwrap_or_default() {
+            out.push(char::from(*digit));
+        }
     }
 
     fn region_of(&self, id: &str) -> Region {
@@ -936,14 +1029,18 @@ impl SlotTable {
     fn find_in(
         &self,
         store: &impl SharedData,
-        groups: &mut Vec<Group>,
+        groups: &mut GroupList,
         indices: &[u32],
         id: &str,
-        before: &mut Vec<Record>,
+        before: &mut RecordList,
     ) -> Result<Option<(usize, usize)>, TableError> {
         for &index in indices {
             let group = self.group_at(store, groups, index)?;
-            if let Some(slot) = groups.get(group).and_then(|g| g.find_into(id, before)) {
+            if let Some(slot) = groups
+                .as_slice()
+                .get(group)
+                .and_then(|g| g.find_into(id, before))
+            {
                 return Ok(Some((group, slot)));
             }
         }
@@ -988,56 +1085,72 @@ impl Probe {
 
 impl SlotTable {
     fn read(&self, store: &impl SharedData, index: u32) -> Result<Group, TableError> {
-        let name = self.group_name(index);
-        if let Some(group) = self.try_read(store, &name, index)? {
-            return Ok(group);
-        }
-        // Created at open (or, past the opened groups, on first use); recreate, then re-read.
-        create_if_absent(
-            store,
-            name.as_str(),
-            &encode_group(&vec![None; GROUP_SLOTS]),
-        )?;
-        self.try_read(store, &name, index)?.ok_or(TableError::Host)
+        let mut group = Group::default();
+        self.read_into(store, index, &mut group)?;
+        Ok(group)
     }
 
-    fn try_read(
+    /// Reads group `index` into `group`, reusing its value's and name's buffers.
+    fn read_into(
         &self,
         store: &impl SharedData,
-        name: &GroupName,
         index: u32,
-    ) -> Result<Option<Group>, TableError> {
-        let group = |cas, raw: Vec<u8>| Group {
-            index,
-            name: name.clone(),
-            cas,
-            slots: None,
-            raw,
-            rank: None,
-            candidate: false,
-        };
-        Ok(
-            match store.get(name.as_str()).map_err(|_| TableError::Host)? {
-                (Some(bytes), Some(cas)) => Some(group(cas, bytes)),
-                // A present key with an empty value (what a shared-data "remove" leaves).
-                (None, Some(cas)) => Some(group(cas, encode_group(&vec![None; GROUP_SLOTS]))),
-                (_, None) => None,
-            },
-        )
+        group: &mut Group,
+    ) -> Result<(), TableError> {
+        self.group_name_into(index, &mut group.name);
+        if Self::try_read_into(store, index, group)? {
+            return Ok(());
+        }
+        // Created at open (or, past the opened groups, on first use); recreate, then re-read.
+        create_if_absent(store, &group.name, &encode_group(&vec![None; GROUP_SLOTS]))?;
+        if Self::try_read_into(store, index, group)? {
+            Ok(())
+        } else {
+            Err(TableError::Host)
+        }
     }
 
-    /// Position of group `index` among the transaction's groups, reading it on first use.
+    /// Reads the group named `group.name`; `false` when its key is missing.
+    fn try_read_into(
+        store: &impl SharedData,
+        index: u32,
+        group: &mut Group,
+    ) -> Result<bool, TableError> {
+        let Some(cas) = store
+            .get_into(&group.name, &mut group.raw)
+            .map_err(|_| TableError::Host)?
+        else {
+            return Ok(false);
+        };
+        if group.raw.is_empty() {
+            // A present key with an empty value (what a shared-data "remove" leaves).
+            group.raw = encode_group(&vec![None; GROUP_SLOTS]);
+        }
+        group.index = index;
+        group.cas = cas;
+        group.slots = None;
+        group.rank = None;
+        group.candidate = false;
+        Ok(true)
+    }
+
+    /// Position of group `index` among the transaction's groups, reading it on first use (into
+    /// a kept group's buffers).
     fn group_at(
         &self,
         store: &impl SharedData,
-        groups: &mut Vec<Group>,
+        groups: &mut GroupList,
         index: u32,
     ) -> Result<usize, TableError> {
-        if let Some(position) = groups.iter().position(|g| g.index == index) {
+        if let Some(position) = groups.as_slice().iter().position(|g| g.index == index) {
             return Ok(position);
         }
-        groups.push(self.read(store, index)?);
-        Ok(groups.len() - 1)
+        let group = groups.push().ok_or(TableError::Host)?;
+        if let Err(error) = self.read_into(store, index, group) {
+            groups.pop();
+            return Err(error);
+        }
+        Ok(groups.as_slice().len() - 1)
     }
 
     /// Where a new key goes among its `candidates` (indices into `groups`): group, slot and
@@ -1175,20 +1288,21 @@ impl SlotTable {
                 let mut candidates = Vec::with_capacity(PROBE_GROUPS);
                 for &index in probe.as_slice() {
                     let group = self.group_at(store, groups, index)?;
-                    if let Some(g) = groups.get_mut(group) {
+                    if let Some(g) = groups.as_mut_slice().get_mut(group) {
                         g.decode_slots();
                     }
                     candidates.push(group);
                 }
-                let (group, slot, evicts) = Self::choose(groups, &candidates, places, ids, now_ms)?;
-                if let Some(g) = groups.get_mut(group) {
+                let (group, slot, evicts) =
+                    Self::choose(groups.as_slice(), &candidates, places, ids, now_ms)?;
+                if let Some(g) = groups.as_mut_slice().get_mut(group) {
                     if g.rank.is_none() {
                         g.rank = Some(next_rank);
                         next_rank += 1;
                     }
                 }
                 for &c in &candidates {
-                    if let Some(g) = groups.get_mut(c) {
+                    if let Some(g) = groups.as_mut_slice().get_mut(c) {
                         g.candidate = true;
                     }
                 }
@@ -1198,10 +1312,12 @@ impl SlotTable {
                     evicts,
                     candidates,
                 });
-                before.push(Record::fresh(id));
+                if let Some(record) = before.push() {
+                    record.reset(id);
+                }
             }
-            records.clone_from(before);
-            let value = match decide(records) {
+            records.copy_from(before.as_slice());
+            let value = match decide(records.as_mut_slice()) {
                 Txn::Abort(value) => {
                     return Ok(Transacted {
                         value,
@@ -1211,7 +1327,15 @@ impl SlotTable {
                 }
                 Txn::Commit(value) => value,
             };
-            match self.write_all(store, groups, places, before, records, write, &refund) {
+            match self.write_all(
+                store,
+                groups.as_slice(),
+                places,
+                before.as_slice(),
+                records.as_slice(),
+                write,
+                &refund,
+            ) {
                 Ok(evictions) => {
                     return Ok(Transacted {
                         value,

@@ -48,6 +48,10 @@ impl RequestSource for Request {
         self.headers.get(name).cloned()
     }
 
+    fn with_header<R>(&self, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
+        f(self.headers.get(name).map(Vec::as_slice))
+    }
+
     fn property(&self, _path: &[&str]) -> Option<Vec<u8>> {
         None
     }

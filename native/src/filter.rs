@@ -252,9 +252,14 @@ struct Request {
 
 impl Request {
     fn header_of(&self, kind: u32, name: &str) -> Option<Vec<u8>> {
+        self.with_header_of(kind, name, |value| value.map(<[u8]>::to_vec))
+    }
+
+    /// `f` of a header's first value, read in place in Envoy's buffer (no copy).
+    fn with_header_of<R>(&self, kind: u32, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
         let mut value = EnvoyBuffer::NULL;
-        // SAFETY: `envoy` is the filter of the running hook; the value is copied before the
-        // hook ends.
+        // SAFETY: `envoy` is the filter of the running hook; the value is read (by `f`) before
+        // the hook ends.
         let found = unsafe {
             abi::envoy_dynamic_module_callback_http_get_header(
                 self.envoy,
@@ -265,8 +270,8 @@ impl Request {
                 std::ptr::null_mut(),
             )
         };
-        // SAFETY: Envoy's buffer, valid during the hook.
-        (found && !value.ptr.is_null()).then(|| unsafe { value.bytes() }.to_vec())
+        // SAFETY: Envoy's buffer, valid during the hook, which `f` runs in.
+        f((found && !value.ptr.is_null()).then(|| unsafe { value.bytes() }))
     }
 
     fn body_size(&self, kind: u32) -> usize {
@@ -305,6 +310,10 @@ impl Request {
 impl RequestSource for Request {
     fn header(&self, name: &str) -> Option<Vec<u8>> {
         self.header_of(abi::HEADER_REQUEST, name)
+    }
+
+    fn with_header<R>(&self, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
+        self.with_header_of(abi::HEADER_REQUEST, name, f)
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {

@@ -6,10 +6,13 @@
 //! The map holds only the keys the slot table creates up front (its groups, a worker counter):
 //! its memory is bounded by configuration, as in the wasm build. Keys are spread over
 //! [`SHARDS`] mutexes so that workers touching different groups do not wait for each other.
+//! A key is hashed once per call (SipHash with a random key per process): one part of the
+//! hash picks the shard, and the shard's map is keyed by the hash itself, each hash holding
+//! the keys that have it (almost always one), compared in full.
 
 use crate::config::lock;
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use tollgate::shared::{ReadError, SharedData, WriteError};
@@ -17,7 +20,36 @@ use tollgate::shared::{ReadError, SharedData, WriteError};
 /// Mutexes the keys are spread over.
 pub const SHARDS: usize = 64;
 
-type Shard = Mutex<HashMap<String, (Vec<u8>, u32)>>;
+/// A key, its value and its stamp.
+struct Entry {
+    key: String,
+    value: Vec<u8>,
+    stamp: u32,
+}
+
+/// The entries of a shard by their keys' hash.
+type Shard = Mutex<HashMap<u64, Vec<Entry>, BuildHasherDefault<Prehashed>>>;
+
+/// The hasher of a map keyed by a hash already taken: the word is its own hash.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `u64` keys are hashed (`write_u64`); any other input is still mixed in.
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+
+    fn write_u64(&mut self, word: u64) {
+        self.0 = word;
+    }
+}
 
 pub struct ProcessSharedData {
     shards: Vec<Shard>,
@@ -28,7 +60,7 @@ pub struct ProcessSharedData {
 impl Default for ProcessSharedData {
     fn default() -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             hasher: RandomState::new(),
             next_stamp: AtomicU32::new(0),
         }
@@ -36,9 +68,62 @@ impl Default for ProcessSharedData {
 }
 
 impl ProcessSharedData {
-    fn shard(&self, key: &str) -> Option<&Shard> {
-        let index = self.hasher.hash_one(key) as usize % SHARDS;
-        self.shards.get(index)
+    fn hash(&self, key: &str) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// The shard of a hash: from its upper half (the shard's map places a hash by its low
+    /// bits and tags it with its top bits, so neither is the same within a shard).
+    fn shard(&self, hash: u64) -> Option<&Shard> {
+        self.shards.get((hash >> 32) as usize % SHARDS)
+    }
+
+    fn get_hashed(
+        &self,
+        key: &str,
+        hash: u64,
+    ) -> Result<(Option<Vec<u8>>, Option<u32>), ReadError> {
+        let map = lock(self.shard(hash).ok_or(ReadError)?);
+        Ok(
+            match map
+                .get(&hash)
+                .and_then(|entries| entries.iter().find(|e| e.key == key))
+            {
+                Some(entry) => (Some(entry.value.clone()), Some(entry.stamp)),
+                None => (None, None),
+            },
+        )
+    }
+
+    fn set_hashed(
+        &self,
+        key: &str,
+        hash: u64,
+        value: &[u8],
+        cas: Option<u32>,
+    ) -> Result<(), WriteError> {
+        let shard = self.shard(hash).ok_or(WriteError::Host)?;
+        let stamp = self.stamp();
+        let mut map = lock(shard);
+        let entries = map.entry(hash).or_default();
+        match entries.iter_mut().find(|e| e.key == key) {
+            Some(entry) => {
+                if let Some(cas) = cas.filter(|c| *c != 0) {
+                    if cas != entry.stamp {
+                        return Err(WriteError::CasMismatch);
+                    }
+                }
+                entry.value.clear();
+                entry.value.extend_from_slice(value);
+                entry.stamp = stamp;
+            }
+            None => entries.push(Entry {
+                key: key.to_string(),
+                value: value.to_vec(),
+                stamp,
+            }),
+        }
+        Ok(())
     }
 
     /// A fresh, non-zero stamp.
@@ -57,40 +142,33 @@ impl ProcessSharedData {
     /// Keys held.
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.shards.iter().map(|s| lock(s).len()).sum()
+        self.shards
+            .iter()
+            .map(|s| lock(s).values().map(Vec::len).sum::<usize>())
+            .sum()
     }
 }
 
 impl SharedData for ProcessSharedData {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<u32>), ReadError> {
-        let shard = self.shard(key).ok_or(ReadError)?;
-        let map = lock(shard);
-        Ok(match map.get(key) {
-            Some((value, stamp)) => (Some(value.clone()), Some(*stamp)),
-            None => (None, None),
-        })
+        self.get_hashed(key, self.hash(key))
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), WriteError> {
-        let shard = self.shard(key).ok_or(WriteError::Host)?;
-        let stamp = self.stamp();
-        let mut map = lock(shard);
-        match map.get_mut(key) {
-            Some(entry) => {
-                if let Some(cas) = cas.filter(|c| *c != 0) {
-                    if cas != entry.1 {
-                        return Err(WriteError::CasMismatch);
-                    }
-                }
-                entry.0.clear();
-                entry.0.extend_from_slice(value);
-                entry.1 = stamp;
-            }
-            None => {
-                map.insert(key.to_string(), (value.to_vec(), stamp));
-            }
-        }
-        Ok(())
+        self.set_hashed(key, self.hash(key), value, cas)
+    }
+
+    fn get_into(&self, key: &str, value: &mut Vec<u8>) -> Result<Option<u32>, ReadError> {
+        let hash = self.hash(key);
+        let map = lock(self.shard(hash).ok_or(ReadError)?);
+        value.clear();
+        Ok(map
+            .get(&hash)
+            .and_then(|entries| entries.iter().find(|e| e.key == key))
+            .map(|entry| {
+                value.extend_from_slice(&entry.value);
+                entry.stamp
+            }))
     }
 }
 
@@ -129,6 +207,40 @@ mod tests {
     }
 
     #[test]
+    fn keys_of_one_hash_keep_their_own_values_and_stamps() {
+        let store = ProcessSharedData::default();
+        let hash = 42;
+        store.set_hashed("a", hash, b"1", None).unwrap();
+        store.set_hashed("b", hash, b"2", None).unwrap();
+        let (a, stamp_a) = store.get_hashed("a", hash).unwrap();
+        let (b, stamp_b) = store.get_hashed("b", hash).unwrap();
+        assert_eq!(
+            (a.as_deref(), b.as_deref()),
+            (Some(&b"1"[..]), Some(&b"2"[..]))
+        );
+        assert_ne!(stamp_a, stamp_b);
+        // A's stamp does not write b, b's does.
+        assert_eq!(
+            store.set_hashed("b", hash, b"3", stamp_a),
+            Err(WriteError::CasMismatch)
+        );
+        store.set_hashed("b", hash, b"3", stamp_b).unwrap();
+        assert_eq!(
+            store.get_hashed("a", hash).unwrap().0.as_deref(),
+            Some(&b"1"[..])
+        );
+        assert_eq!(
+            store.get_hashed("b", hash).unwrap().0.as_deref(),
+            Some(&b"3"[..])
+        );
+        assert_eq!(store.get_hashed("c", hash).unwrap(), (None, None));
+        let mut kept = b"leftover".to_vec();
+        assert_eq!(store.get_into("missing", &mut kept).unwrap(), None);
+        assert!(kept.is_empty());
+        assert_eq!(store.len(), 2);
+    }
+
+    #[test]
     fn same_answers_as_the_reference_on_one_thread() {
         let ours = ProcessSharedData::default();
         let reference = MemorySharedData::default();
@@ -157,6 +269,11 @@ mod tests {
             stamps_ours.insert(key, s1);
             stamps_ref.insert(key, s2);
             assert_eq!(ours.get(key).unwrap().0, reference.get(key).unwrap().0);
+            // A read into a kept buffer gives the same value and stamp.
+            let mut kept = b"leftover".to_vec();
+            let (value, stamp) = ours.get(key).unwrap();
+            assert_eq!(ours.get_into(key, &mut kept).unwrap(), stamp);
+            assert_eq!(Some(kept), value);
         }
     }
 

@@ -105,7 +105,7 @@ fn estimate(policy: &Policy, constant: u64, source: &impl RequestSource) -> (u64
     };
     match &reserve.source {
         UnitsSource::Header(name) => {
-            let value = source.header(name).and_then(|v| units_from_text(&v));
+            let value = source.with_header(name, |v| v.and_then(units_from_text));
             (reserve.units(constant, value), None)
         }
         UnitsSource::Body { .. } => (reserve.units(constant, None), Some(constant)),

@@ -1219,3 +1219,70 @@ fn clone_from_copies_every_field() {
     assert_eq!(target, source);
     assert_eq!(source.clone(), source);
 }
+
+#[test]
+fn decoding_into_a_kept_record_overwrites_every_field() {
+    let mut full = Record::fresh("p:full");
+    full.bucket = Some(BucketState {
+        tokens: 2.5,
+        updated_ms: 9,
+    });
+    full.lease.tokens = 7;
+    full.lease.prev_seq = 4;
+    full.lease.debt = 3;
+    full.in_flight.counts[0] = 2;
+    full.counters = Some(Counters {
+        window: 4,
+        count: 5,
+        previous: 6,
+    });
+    full.log = Some(Log {
+        times: vec![1, 2, 3],
+        seen_ms: 3,
+    });
+    full.evictable_at_ms = 11;
+    let mut plain = Record::fresh("p:plain");
+    plain.bucket = Some(BucketState {
+        tokens: 1.0,
+        updated_ms: 2,
+    });
+    // A kept record holding every part takes a record with few parts, and back.
+    let mut kept = full.clone();
+    assert_eq!(
+        decode_into(&encode(&plain), Some("p:plain"), &mut kept),
+        Some(())
+    );
+    assert_eq!(kept, plain);
+    assert_eq!(decode_into(&encode(&full), None, &mut kept), Some(()));
+    assert_eq!(kept, full);
+    // A known id that differs from the bytes' is not taken: the bytes' id is.
+    assert_eq!(
+        decode_into(&encode(&plain), Some("p:other"), &mut kept),
+        Some(())
+    );
+    assert_eq!(kept, plain);
+    // Bytes of no record of this version are refused.
+    let mut older = encode(&plain);
+    older[0] = TAG_RECORD - 1;
+    assert_eq!(decode_into(&older, Some("p:plain"), &mut kept), None);
+    // A list reuses its dropped records: what it holds is what was pushed since `clear`.
+    let mut list = RecordList::default();
+    list.copy_from(&[full.clone(), plain.clone()]);
+    assert_eq!(list.as_slice(), [full.clone(), plain.clone()]);
+    list.clear();
+    list.copy_from(std::slice::from_ref(&plain));
+    assert_eq!(list.as_slice(), std::slice::from_ref(&plain));
+    list.pop();
+    assert!(list.as_slice().is_empty());
+}
+
+#[test]
+fn group_names_built_in_a_kept_buffer_are_the_group_keys() {
+    let store = MemorySharedData::default();
+    let table = open(&store, 64);
+    let mut name = String::from("a longer leftover name");
+    for group in [0, 1, 9, 10, 15, 99, 100, 12345, u32::MAX] {
+        table.group_name_into(group, &mut name);
+        assert_eq!(name, table.group_key(group));
+    }
+}
