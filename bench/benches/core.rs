@@ -17,6 +17,10 @@
 //! - the anchor, in the same group: the `governor` crate's keyed limiter (GCRA in a concurrent
 //!   map) checking one of the same 100 keys, what a well-made in-process Rust limiter costs
 //!   per decision (`tollgate-bench micro-summary` reports the request path's ratio to it).
+//!
+//! The bytes of shared state per key of each algorithm are not a timing and are not measured
+//! here: `micro-summary` measures them on the same engine and in-memory shared data as it
+//! writes micro.md (`bench/src/footprint.rs`; `tollgate-bench shared-state` alone).
 
 #![allow(
     clippy::unwrap_used,

@@ -104,6 +104,10 @@ fn replace_once(text: &str, from: &str, to: &str) -> Result<String, String> {
 /// The route every benchmark request takes (`GET /items/<n>`, see `bench/wrk/tenants.lua`).
 pub const ROUTE: &str = "GET /items/{id}";
 
+/// A route no benchmark request takes: scenarios 3 and 3n load the filter with one policy on
+/// it, so every request is planned and none matches (the filter's own floor).
+pub const NO_MATCH_ROUTE: &str = "GET /orders/{id}";
+
 /// A policy document with one per-tenant policy on `route`, never denying at benchmark rates
 /// (a billion units per second, a burst of a billion) unless `rate` is given.
 pub struct PolicyDoc<'a> {
@@ -126,6 +130,8 @@ pub struct PolicyDoc<'a> {
     /// `"settle": {"from": {"header": h}}`: the actual cost, read from this response header
     /// when the response ends, settles the route's constant cost (the reservation).
     pub settle_header: Option<&'a str>,
+    /// `"max_in_flight"`: most requests of one key in flight at once; `None` leaves it out.
+    pub max_in_flight: Option<u32>,
 }
 
 /// Scenarios 4s and 5s: the response header the actual cost is read from, the reservation
@@ -194,6 +200,7 @@ impl PolicyDoc<'_> {
             lease_horizon: None,
             cost: None,
             settle_header: None,
+            max_in_flight: None,
         }
     }
 
@@ -209,6 +216,7 @@ impl PolicyDoc<'_> {
             lease_horizon: None,
             cost: None,
             settle_header: None,
+            max_in_flight: None,
         }
     }
 
@@ -250,6 +258,10 @@ impl PolicyDoc<'_> {
             .settle_header
             .map(|h| format!(",\n    \"settle\": {{ \"from\": {{ \"header\": \"{h}\" }} }}"))
             .unwrap_or_default();
+        let in_flight = self
+            .max_in_flight
+            .map(|m| format!(",\n    \"max_in_flight\": {m}"))
+            .unwrap_or_default();
         let mut limiter = String::new();
         if self.scope == "global" {
             let lease_max = self
@@ -274,7 +286,7 @@ impl PolicyDoc<'_> {
     "rate": {{ "units": {units}, "per": "{per}" }},{counting}{cost}
     "scope": "{scope}",
     "on_unavailable": {failure},
-    "enforce": true{settle}
+    "enforce": true{settle}{in_flight}
   }}]{limiter}
 }}"#,
             route = self.route,
@@ -386,7 +398,7 @@ mod tests {
     fn policy_documents_are_valid() {
         for doc in [
             PolicyDoc::local(ROUTE),
-            PolicyDoc::local("GET /orders/{id}"),
+            PolicyDoc::local(NO_MATCH_ROUTE),
             PolicyDoc::global(None),
             PolicyDoc::global(Some(1)),
             PolicyDoc {
@@ -404,6 +416,10 @@ mod tests {
             PolicyDoc::local(ROUTE).counted_by("sliding_window"),
             PolicyDoc::local(ROUTE).counted_by("sliding_log"),
             PolicyDoc::local(ROUTE).counted_by("token_bucket"),
+            PolicyDoc {
+                max_in_flight: Some(100),
+                ..PolicyDoc::local(ROUTE)
+            },
         ] {
             let json = doc.json();
             let parsed = Policies::from_json(json.as_bytes());
@@ -418,6 +434,18 @@ mod tests {
             .ok()
             .and_then(|p| p.limiter.map(|l| l.lease_max));
         assert_eq!(lease_max, Some(1));
+        let limited = PolicyDoc {
+            max_in_flight: Some(100),
+            ..PolicyDoc::local(ROUTE)
+        }
+        .json();
+        let parsed = Policies::from_json(limited.as_bytes()).ok();
+        let max = parsed
+            .as_ref()
+            .and_then(|p| p.policies.first())
+            .and_then(|p| p.in_flight.map(|l| l.max));
+        assert_eq!(max, Some(100), "{limited}");
+        assert!(!PolicyDoc::local(ROUTE).json().contains("max_in_flight"));
     }
 
     #[test]

@@ -4,10 +4,11 @@
 //!
 //! The library holds the parts with logic worth a unit test: config edits, wrk output, Redis
 //! and `/proc` counters, medians, ratios and targets, the report, scenario 7's paced load,
-//! the SVG charts drawn from the JSON result.
+//! the SVG charts drawn from the JSON result, and the bytes of shared state per key.
 
 pub mod chart;
 pub mod config;
+pub mod footprint;
 pub mod micro;
 pub mod paced;
 pub mod report;

@@ -21,12 +21,13 @@
 //!      1 s); the log, at most 256 per window, counts over 50 ms (`config::LOG_WINDOW`: the
 //!      hottest of 100 Zipf tenants fills it only past ~26,500 req/s in all)
 //!   1u, 5u: 1 and 5 against a real HTTP upstream instead of a direct response
-//!   4n, 5n: 4 and 5 with the native build of the filter (the dynamic module
-//!      `libtollgate_native.so`, `envoy.filters.http.dynamic_modules`) instead of the .wasm
+//!   3n, 4n, 5n: 3, 4 and 5 with the native build of the filter (the dynamic module
+//!      `libtollgate_native.so`, `envoy.filters.http.dynamic_modules`) instead of the .wasm;
+//!      3n (no policy matches) is the module's own floor, reported as S3n × S1 and S4n × S3n
 //!   7  over limit: two Envoys, one global policy, paced demand per key at 3 × the rate split
 //!      evenly, 10 × split evenly and 10 × split 3:1, by a Rust load generator (`paced.rs`:
 //!      per-answer status and latency, which wrk cannot give)
-//! 1–6, 4s, 5s, 4f, 4w, 4l and 5t never deny (4l's report line says so if it did). Every
+//! 1–6, 4s, 5s, 4f, 4w, 4l, 5t and the native ones never deny (4l's report line says so if it did). Every
 //! process is killed when the driver exits (the harness ties children to it), also on Ctrl-C.
 //!
 //! Flags: --rounds N (3) --seconds S (5) --warmup S (2) --connections N (64) --threads N (1)
@@ -38,7 +39,9 @@
 //! Besides latest.{md,json} a run writes `ratios.svg` (when it has ratios to S3) and
 //! `overload.svg` (when it ran scenario 7) into --out. `tollgate-bench chart [--out DIR]
 //! FILE...` draws them again from stored results, each chart from the first FILE that has its
-//! data (`just bench-charts`).
+//! data (`just bench-charts`). `tollgate-bench shared-state [KEYS]` prints the bytes of shared
+//! state per key of each algorithm (`footprint.rs`; `micro-summary` adds the same table to
+//! micro.md), measured against in-memory shared data, in well under a second.
 
 #![allow(clippy::expect_used, clippy::panic)]
 
@@ -50,9 +53,10 @@ use std::time::Duration;
 
 use tollgate_bench::chart;
 use tollgate_bench::config::{
-    self, PolicyDoc, ALGORITHMS, CLOSED, LOG_WINDOW, MAX_LOG_LIMIT, ROUTE, SETTLE_ACTUAL,
-    SETTLE_HEADER, SETTLE_RESERVED,
+    self, PolicyDoc, ALGORITHMS, CLOSED, LOG_WINDOW, MAX_LOG_LIMIT, NO_MATCH_ROUTE, ROUTE,
+    SETTLE_ACTUAL, SETTLE_HEADER, SETTLE_RESERVED,
 };
+use tollgate_bench::footprint;
 use tollgate_bench::micro;
 use tollgate_bench::paced;
 use tollgate_bench::report::{InstanceRun, Latency, OverLimitRun, Report, Run, Scenario, Setup};
@@ -218,7 +222,7 @@ fn specs() -> Vec<Spec> {
             id: "3",
             title: "tollgate, no policy matches".into(),
             filter: Filter::Tollgate,
-            policy: Some(PolicyDoc::local("GET /orders/{id}")),
+            policy: Some(PolicyDoc::local(NO_MATCH_ROUTE)),
             upstream: false,
             mtls: false,
             build: Build::Wasm,
@@ -306,6 +310,15 @@ fn specs() -> Vec<Spec> {
             upstream: true,
             mtls: false,
             build: Build::Wasm,
+        },
+        Spec {
+            id: "3n",
+            title: "3 with the native build (dynamic module): no policy matches".into(),
+            filter: Filter::Tollgate,
+            policy: Some(PolicyDoc::local(NO_MATCH_ROUTE)),
+            upstream: false,
+            mtls: false,
+            build: Build::Native,
         },
         Spec {
             id: "4n",
@@ -857,12 +870,35 @@ fn micro_summary(out: &std::path::Path) {
             s.date, s.commit, s.machine
         )
     };
-    let md = micro::markdown(&estimates, &header);
+    let footprints = footprint::measure(footprint::KEYS)
+        .unwrap_or_else(|e| panic!("bytes of shared state per key: {e}"));
+    let md = micro::markdown(&estimates, &footprints, &header);
     println!("{md}");
     std::fs::create_dir_all(out).expect("create the results directory");
     std::fs::write(out.join("micro.md"), &md).expect("write micro.md");
-    let json = serde_json::to_string_pretty(&micro::json(&estimates, &header)).expect("JSON");
+    let json =
+        serde_json::to_string_pretty(&micro::json(&estimates, &footprints, &header)).expect("JSON");
     std::fs::write(out.join("micro.json"), json + "\n").expect("write micro.json");
+}
+
+/// `tollgate-bench shared-state [KEYS]`: the bytes of shared state per key (the table
+/// `micro-summary` adds to micro.md), printed only; nothing is timed or written.
+fn shared_state(argv: Vec<String>) {
+    let keys = match argv.first().map(|k| k.parse::<usize>()) {
+        None => footprint::KEYS,
+        Some(Ok(keys)) if keys > 0 => keys,
+        Some(_) => {
+            eprintln!("shared-state: KEYS is a positive number");
+            std::process::exit(2)
+        }
+    };
+    match footprint::measure(keys) {
+        Ok(footprints) => println!("{}", footprint::markdown(&footprints)),
+        Err(e) => {
+            eprintln!("shared-state: {e}");
+            std::process::exit(1);
+        }
+    }
 }
 
 /// `tollgate-bench chart [--out DIR] FILE...`: the SVG charts of stored results.
@@ -904,6 +940,10 @@ fn main() {
         }
         Some("chart") => {
             chart_command(std::env::args().skip(2).collect());
+            return;
+        }
+        Some("shared-state") => {
+            shared_state(std::env::args().skip(2).collect());
             return;
         }
         _ => {}

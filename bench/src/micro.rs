@@ -1,9 +1,13 @@
 //! Summary of the criterion microbenchmarks (`just bench-micro`): reads criterion's
-//! `target/criterion/<group>/<bench>/new/estimates.json` and writes one table of ns per operation.
+//! `target/criterion/<group>/<bench>/new/estimates.json` and writes one table of ns per operation,
+//! followed by the bytes of shared state per key ([`crate::footprint`], measured as the summary
+//! is written: bytes, not time).
 
 use std::path::Path;
 
 use serde_json::{json, Value};
+
+use crate::footprint::{self, Footprint};
 
 /// One benchmark's estimates, in ns per iteration.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,7 +70,7 @@ pub fn anchor_ratios(estimates: &[Estimate]) -> Vec<(String, f64)> {
         .collect()
 }
 
-pub fn markdown(estimates: &[Estimate], header: &str) -> String {
+pub fn markdown(estimates: &[Estimate], footprints: &[Footprint], header: &str) -> String {
     let mut md = format!(
         "# tollgate microbenchmarks (`just bench-micro`)\n\n{header}\n\n\
          | group | benchmark | median ns/op | mean ns/op |\n|---|---|---:|---:|\n"
@@ -88,10 +92,14 @@ pub fn markdown(estimates: &[Estimate], header: &str) -> String {
             md.push_str(&format!("- {bench}: {ratio:.1}x\n"));
         }
     }
+    if !footprints.is_empty() {
+        md.push('\n');
+        md.push_str(&footprint::markdown(footprints));
+    }
     md
 }
 
-pub fn json(estimates: &[Estimate], header: &str) -> Value {
+pub fn json(estimates: &[Estimate], footprints: &[Footprint], header: &str) -> Value {
     json!({
         "setup": header,
         "benchmarks": estimates.iter().map(|e| json!({
@@ -104,6 +112,7 @@ pub fn json(estimates: &[Estimate], header: &str) -> Value {
         "ratio_to_anchor": anchor_ratios(estimates).into_iter()
             .map(|(bench, ratio)| (bench, json!(ratio)))
             .collect::<serde_json::Map<String, Value>>(),
+        "shared_state_bytes_per_key": footprint::json(footprints),
     })
 }
 
@@ -132,9 +141,23 @@ mod tests {
                 mean_ns: 7.7
             }]
         );
-        let md = markdown(&got, "setup");
+        let md = markdown(&got, &[], "setup");
         assert!(md.contains("| bucket | try_take | 7.5 | 7.7 |"), "{md}");
         assert!(!md.contains("anchor"), "no anchor measured: {md}");
+        assert!(!md.contains("shared state"), "none measured: {md}");
+        // The bytes per key follow the timings, in the table and in the JSON.
+        let bytes = footprint::measure(10).unwrap_or_default();
+        let md = markdown(&got, &bytes, "setup");
+        assert!(
+            md.contains("| bucket | try_take | 7.5 | 7.7 |\n\n## Bytes of shared state per key"),
+            "{md}"
+        );
+        let value = json(&got, &bytes, "setup");
+        assert_eq!(
+            value["shared_state_bytes_per_key"][0]["policy"],
+            "token_bucket (local)"
+        );
+        assert_eq!(value["shared_state_bytes_per_key"][0]["keys"], 10);
         let estimate = |bench: &str, median_ns| Estimate {
             group: "request_path".into(),
             bench: bench.into(),
@@ -149,7 +172,7 @@ mod tests {
             anchor_ratios(&with_anchor),
             vec![("local".to_string(), 8.0)]
         );
-        assert!(markdown(&with_anchor, "setup").contains("- local: 8.0x"));
+        assert!(markdown(&with_anchor, &[], "setup").contains("- local: 8.0x"));
         let _ = std::fs::remove_dir_all(dir);
     }
 }
