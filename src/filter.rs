@@ -334,10 +334,11 @@ impl HttpContext for Http {
         let Some(configured) = self.configured.clone() else {
             return Action::Continue;
         };
-        action(
-            self.stream
-                .on_request_headers(configured.as_ref(), &HostRequest, end_of_stream),
-        )
+        action(self.stream.on_request_headers(
+            configured.as_ref(),
+            &HostRequest::default(),
+            end_of_stream,
+        ))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
@@ -346,7 +347,7 @@ impl HttpContext for Http {
         };
         action(self.stream.on_request_body(
             configured.as_ref(),
-            &HostRequest,
+            &HostRequest::default(),
             body_size,
             end_of_stream,
         ))
@@ -358,14 +359,17 @@ impl HttpContext for Http {
         };
         action(
             self.stream
-                .on_request_trailers(configured.as_ref(), &HostRequest),
+                .on_request_trailers(configured.as_ref(), &HostRequest::default()),
         )
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if let Some(configured) = self.configured.clone() {
-            self.stream
-                .on_response_headers(configured.as_ref(), &HostRequest, end_of_stream);
+            self.stream.on_response_headers(
+                configured.as_ref(),
+                &HostRequest::default(),
+                end_of_stream,
+            );
         }
         Action::Continue
     }
@@ -374,7 +378,7 @@ impl HttpContext for Http {
         if let Some(configured) = self.configured.clone() {
             self.stream.on_response_body(
                 configured.as_ref(),
-                &HostRequest,
+                &HostRequest::default(),
                 body_size,
                 end_of_stream,
             );
@@ -385,7 +389,7 @@ impl HttpContext for Http {
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
         if let Some(configured) = self.configured.clone() {
             self.stream
-                .on_response_trailers(configured.as_ref(), &HostRequest);
+                .on_response_trailers(configured.as_ref(), &HostRequest::default());
         }
         Action::Continue
     }
@@ -406,7 +410,32 @@ fn wake(configured: &Configured) -> bool {
 
 /// The current request, read with hostcalls that cannot panic on hostile bytes (the `_bytes`
 /// variants: the string ones unwrap UTF-8).
-struct HostRequest;
+/// The request of the running callback, through proxy-wasm's hostcalls.
+#[derive(Default)]
+struct HostRequest {
+    /// The request headers, fetched in one hostcall at the first lookup of a callback and
+    /// searched here: each single-header hostcall is a lookup by name in Envoy plus a call
+    /// back into the VM for the value's memory, and a request is keyed on several headers.
+    /// A `HostRequest` lives for one callback, so the list is never stale.
+    request_headers: RefCell<Option<Headers>>,
+}
+
+/// Header names and values as proxy-wasm hands them over.
+type Headers = Vec<(String, Vec<u8>)>;
+
+impl HostRequest {
+    fn with_request_header<R>(&self, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
+        let mut cache = self.request_headers.borrow_mut();
+        let headers = cache.get_or_insert_with(|| {
+            hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
+        });
+        // Envoy's names are lower-case; a policy's may not be (Envoy's own lookup ignores case).
+        f(headers
+            .iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_slice()))
+    }
+}
 
 impl StreamHost for HostRequest {
     fn send_reply(&self, reply: &LocalReply) -> bool {
@@ -444,9 +473,11 @@ impl StreamHost for HostRequest {
 
 impl RequestSource for HostRequest {
     fn header(&self, name: &str) -> Option<Vec<u8>> {
-        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
+        self.with_request_header(name, |value| value.map(<[u8]>::to_vec))
+    }
+
+    fn with_header<R>(&self, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
+        self.with_request_header(name, f)
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {

@@ -92,15 +92,19 @@ impl Stream {
         host: &impl StreamHost,
         end_of_stream: bool,
     ) -> Flow {
-        let text = |name: &str| {
-            host.header(name)
-                .map(|v| String::from_utf8_lossy(&v).into_owned())
-                .unwrap_or_default()
+        // Each value becomes its String in the allocation the host's copy made (UTF-8 checked
+        // once; only invalid bytes cost a second copy, replaced).
+        let text = |name: &str| match host.header(name).map(String::from_utf8) {
+            Some(Ok(text)) => text,
+            Some(Err(e)) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+            None => String::new(),
         };
         let facts = RequestFacts {
             method: text(":method"),
             path: text(":path"),
-            host: authority_host(&text(":authority")),
+            host: host.with_header(":authority", |v| {
+                authority_host(&String::from_utf8_lossy(v.unwrap_or_default()))
+            }),
         };
         let engine = instance.engine();
         let mut plan = engine.plan(&facts, host);

@@ -112,11 +112,21 @@ impl ModuleHttpHeader {
 
 /// A header Envoy passes to the module.
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct EnvoyHttpHeader {
     pub key_ptr: *const u8,
     pub key_length: usize,
     pub value_ptr: *const u8,
     pub value_length: usize,
+}
+
+impl EnvoyHttpHeader {
+    pub const NULL: EnvoyHttpHeader = EnvoyHttpHeader {
+        key_ptr: std::ptr::null(),
+        key_length: 0,
+        value_ptr: std::ptr::null(),
+        value_length: 0,
+    };
 }
 
 /// `envoy_dynamic_module_type_http_header_type`.
@@ -247,6 +257,8 @@ callbacks! {
     fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: FilterSchedulerPtr, event_id: u64);
     fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: FilterSchedulerPtr);
     fn envoy_dynamic_module_callback_http_get_header(filter: FilterEnvoyPtr, header_type: u32, key: ModuleBuffer, result: *mut EnvoyBuffer, index: usize, optional_size: *mut usize) -> bool;
+    fn envoy_dynamic_module_callback_http_get_headers_size(filter: FilterEnvoyPtr, header_type: u32) -> usize;
+    fn envoy_dynamic_module_callback_http_get_headers(filter: FilterEnvoyPtr, header_type: u32, result_headers: *mut EnvoyHttpHeader) -> bool;
     fn envoy_dynamic_module_callback_http_add_header(filter: FilterEnvoyPtr, header_type: u32, key: ModuleBuffer, value: ModuleBuffer) -> bool;
     fn envoy_dynamic_module_callback_http_send_response(filter: FilterEnvoyPtr, status_code: u32, headers: *mut ModuleHttpHeader, headers_size: usize, body: ModuleBuffer, details: ModuleBuffer);
     fn envoy_dynamic_module_callback_http_get_body_size(filter: FilterEnvoyPtr, body_type: u32) -> usize;

@@ -1,9 +1,10 @@
 //! One request in the native module: the host-neutral `tollgate::stream::Stream` over Envoy's
 //! dynamic-module callbacks. Hooks run on the request's worker thread.
 
-use crate::abi::{self, EnvoyBuffer, FilterEnvoyPtr, ModuleBuffer};
+use crate::abi::{self, EnvoyBuffer, EnvoyHttpHeader, FilterEnvoyPtr, ModuleBuffer};
 use crate::config::{lock, now_ms, MainHost, NativeConfig, Outcome, Parked, Shared};
 use crate::shared::ProcessSharedData;
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use tollgate::engine::{when_table_fails, Engine, Outcome as PolicyOutcome};
@@ -97,7 +98,7 @@ impl NativeFilter {
                 abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy)
             },
             Some(Outcome::Reply(reply)) => {
-                Request { envoy }.send_reply(&reply);
+                Request::new(envoy).send_reply(&reply);
             }
             None => {}
         }
@@ -114,7 +115,7 @@ impl NativeFilter {
 /// strictest decides. `local` takes its `then` at once: its fallback budget lives in the
 /// engine that just panicked. A request no policy matches goes on.
 pub fn after_panic(config: &NativeConfig, envoy: FilterEnvoyPtr) -> Flow {
-    let request = Request { envoy };
+    let request = Request::new(envoy);
     let text = |name: &str| {
         request
             .header(name)
@@ -150,7 +151,7 @@ pub fn after_panic(config: &NativeConfig, envoy: FilterEnvoyPtr) -> Flow {
 /// The last resort when even [`after_panic`] panicked: the request is refused (503, the
 /// unavailable body without a policy name), never let through unlimited.
 pub fn refuse_after_panic(envoy: FilterEnvoyPtr) -> Flow {
-    Request { envoy }.send_reply(&response::limiter_unavailable(""));
+    Request::new(envoy).send_reply(&response::limiter_unavailable(""));
     Flow::Pause
 }
 
@@ -161,14 +162,14 @@ pub fn refuse_after_panic(envoy: FilterEnvoyPtr) -> Flow {
 #[cfg(feature = "panic-injection")]
 #[allow(clippy::panic)]
 pub fn inject_panic(envoy: FilterEnvoyPtr, hook: &str) {
-    let request = Request { envoy };
+    let request = Request::new(envoy);
     if request.header("x-tollgate-panic").as_deref() == Some(hook.as_bytes()) {
         panic!("panic injected in {hook}");
     }
 }
 
 fn parts(config: &NativeConfig, id: u32, envoy: FilterEnvoyPtr) -> (View<'_>, Request) {
-    (View { config, envoy, id }, Request { envoy })
+    (View { config, envoy, id }, Request::new(envoy))
 }
 
 /// The configuration as one request sees it (its hooks know the request's Envoy pointer, so
@@ -245,14 +246,93 @@ impl<'a> Instance for View<'a> {
     }
 }
 
+thread_local! {
+    /// The request headers' list, kept per thread so that reading them allocates nothing.
+    static HEADERS: RefCell<Vec<EnvoyHttpHeader>> = const { RefCell::new(Vec::new()) };
+}
+
 /// The request, through its filter's callbacks.
 struct Request {
     envoy: FilterEnvoyPtr,
+    /// The request headers, fetched from Envoy in one call at the first lookup of a hook and
+    /// searched here: Envoy's lookup of one header by name costs more than handing over all
+    /// of them (~3,400 instructions for a custom header, ~450 for a pseudo-header, against
+    /// ~60 per header listed, in callgrind on Envoy 1.40), and a request is keyed on several.
+    /// The pointers are Envoy's, valid while the hook runs: a `Request` lives for one hook.
+    request_headers: RefCell<Option<Vec<EnvoyHttpHeader>>>,
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let Some(mut headers) = self.request_headers.get_mut().take() {
+            headers.clear();
+            HEADERS.with(|kept| {
+                if let Ok(mut kept) = kept.try_borrow_mut() {
+                    *kept = headers;
+                }
+            });
+        }
+    }
 }
 
 impl Request {
+    fn new(envoy: FilterEnvoyPtr) -> Self {
+        Self {
+            envoy,
+            request_headers: RefCell::new(None),
+        }
+    }
+
     fn header_of(&self, kind: u32, name: &str) -> Option<Vec<u8>> {
         self.with_header_of(kind, name, |value| value.map(<[u8]>::to_vec))
+    }
+
+    /// `f` of a request header's first value, found in the list of all request headers
+    /// (fetched once per hook), read in place in Envoy's buffer. Names compare without case,
+    /// as Envoy's own lookup does.
+    fn with_request_header<R>(&self, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
+        let found = {
+            let mut cache = self.request_headers.borrow_mut();
+            let headers = cache.get_or_insert_with(|| self.fetch_request_headers());
+            headers.iter().find_map(|h| {
+                // SAFETY: Envoy's buffers, valid during the hook this `Request` lives in.
+                let key = unsafe { raw_bytes(h.key_ptr, h.key_length) };
+                key.eq_ignore_ascii_case(name.as_bytes())
+                    .then(|| unsafe { raw_bytes(h.value_ptr, h.value_length) })
+            })
+        };
+        f(found)
+    }
+
+    fn fetch_request_headers(&self) -> Vec<EnvoyHttpHeader> {
+        let mut headers = HEADERS
+            .with(|kept| kept.try_borrow_mut().map(|mut k| std::mem::take(&mut *k)))
+            .unwrap_or_default();
+        headers.clear();
+        // SAFETY: `envoy` is the filter of the running hook.
+        let count = unsafe {
+            abi::envoy_dynamic_module_callback_http_get_headers_size(
+                self.envoy,
+                abi::HEADER_REQUEST,
+            )
+        };
+        if count == 0 {
+            return headers;
+        }
+        headers.resize(count, EnvoyHttpHeader::NULL);
+        // SAFETY: `headers` has room for the `count` headers Envoy writes, as the callback
+        // requires; the map does not change between the two calls (same hook, same thread).
+        let ok = unsafe {
+            abi::envoy_dynamic_module_callback_http_get_headers(
+                self.envoy,
+                abi::HEADER_REQUEST,
+                headers.as_mut_ptr(),
+            )
+        };
+        if !ok {
+            headers.clear();
+        }
+        headers
     }
 
     /// `f` of a header's first value, read in place in Envoy's buffer (no copy).
@@ -309,11 +389,11 @@ impl Request {
 
 impl RequestSource for Request {
     fn header(&self, name: &str) -> Option<Vec<u8>> {
-        self.header_of(abi::HEADER_REQUEST, name)
+        self.with_request_header(name, |value| value.map(<[u8]>::to_vec))
     }
 
     fn with_header<R>(&self, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
-        self.with_header_of(abi::HEADER_REQUEST, name, f)
+        self.with_request_header(name, f)
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
@@ -387,5 +467,19 @@ impl StreamHost for Request {
 
     fn response_trailer(&self, name: &str) -> Option<Vec<u8>> {
         self.header_of(abi::TRAILER_RESPONSE, name)
+    }
+}
+
+/// The bytes at `ptr` (empty for null or zero length).
+///
+/// # Safety
+/// `ptr..ptr + len` must be readable for the caller's chosen lifetime (Envoy's buffers are,
+/// during the hook that handed them over).
+unsafe fn raw_bytes<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    if ptr.is_null() || len == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller's guarantee.
+        unsafe { std::slice::from_raw_parts(ptr, len) }
     }
 }

@@ -6,13 +6,15 @@
 //! The map holds only the keys the slot table creates up front (its groups, a worker counter):
 //! its memory is bounded by configuration, as in the wasm build. Keys are spread over
 //! [`SHARDS`] mutexes so that workers touching different groups do not wait for each other.
-//! A key is hashed once per call (SipHash with a random key per process): one part of the
+//! A key is hashed once per call (foldhash, seeded per process: the keys are the table's own
+//! names, which no client chooses, so a fast hash is enough): one part of the
 //! hash picks the shard, and the shard's map is keyed by the hash itself, each hash holding
 //! the keys that have it (almost always one), compared in full.
 
 use crate::config::lock;
+use foldhash::quality::RandomState;
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use tollgate::shared::{ReadError, SharedData, WriteError};
@@ -61,7 +63,7 @@ impl Default for ProcessSharedData {
     fn default() -> Self {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            hasher: RandomState::new(),
+            hasher: RandomState::default(),
             next_stamp: AtomicU32::new(0),
         }
     }
