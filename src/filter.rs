@@ -8,7 +8,7 @@ use crate::metrics::Metrics;
 use crate::request::RequestSource;
 use crate::shared::{HostSharedData, SharedData, WriteError};
 use crate::stream::{Flow, Instance, Stream, StreamHost};
-use crate::table::SlotTable;
+use crate::table::{unguessable_seed, SlotTable};
 use crate::worker::{Ctx, Host, Worker};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -64,7 +64,7 @@ impl Root {
             .map_err(|status| format!("cannot read plugin configuration: {status:?}"))?
             .ok_or("plugin configuration is empty: pass the policy document as `configuration`")?;
         let policies = Policies::from_json(&bytes).map_err(|errors| errors.to_string())?;
-        let seed = now_nanos() ^ u64::from(self.context_id).rotate_left(32);
+        let seed = unguessable_seed(now_nanos() ^ u64::from(self.context_id).rotate_left(32));
         let table = SlotTable::open(
             &HostSharedData,
             SHARED_PREFIX,

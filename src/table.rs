@@ -876,6 +876,15 @@ pub struct SlotTable {
     regions: BTreeMap<String, Region>,
 }
 
+/// A salt seed no client can work out: `mix` (the clock, an instance's own number) hashed with
+/// the keys of std's `RandomState`, which come from the operating system's randomness (in the
+/// wasm VM, WASI's `random_get`, which Envoy serves). The clock alone would leave only the
+/// Envoy's start time to guess, and with the salt a client could aim its keys at one group.
+pub fn unguessable_seed(mix: u64) -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(mix)
+}
+
 impl SlotTable {
     /// Opens the table under `prefix` with room for `slots` records (rounded up to whole
     /// groups), creating the salt and every group that does not exist yet. Creation never

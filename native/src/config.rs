@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tollgate::engine::{Engine, SHARED_PREFIX};
 use tollgate::metrics::Metrics;
-use tollgate::table::SlotTable;
+use tollgate::table::{unguessable_seed, SlotTable};
 use tollgate::worker::{Ctx, Host, Worker};
 use tollgate_core::policy::{KeyPart, Policies};
 use tollgate_core::protocol::MAX_BODY_BYTES;
@@ -110,11 +110,13 @@ impl NativeConfig {
         stats::enter(envoy);
         let policies = Policies::from_json(config).map_err(|errors| errors.to_string())?;
         native_limits(&policies)?;
-        let seed = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-            ^ u64::from(std::process::id()).rotate_left(32);
+        let seed = unguessable_seed(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+                ^ u64::from(std::process::id()).rotate_left(32),
+        );
         let table = SlotTable::open(
             process_store(),
             SHARED_PREFIX,

@@ -1286,3 +1286,12 @@ fn group_names_built_in_a_kept_buffer_are_the_group_keys() {
         assert_eq!(name, table.group_key(group));
     }
 }
+
+#[test]
+fn seeds_from_the_same_clock_differ() {
+    // Two instances started at the same nanosecond with the same number still get different
+    // salts: the seed's randomness is the operating system's, not the clock's.
+    let seeds: std::collections::BTreeSet<u64> = (0..64).map(|_| unguessable_seed(42)).collect();
+    assert_eq!(seeds.len(), 64);
+    assert!(!seeds.contains(&42));
+}
