@@ -291,6 +291,26 @@ impl Parent {
         let request = axum::http::Request::get(format!("{}/healthz", self.base))
             .body(Full::new(Bytes::new()))
             .map_err(|e| ParentError::Refused(format!("cannot build the request: {e}")))?;
+        // The answer is read to the end: the stream is done with before the next check.
+        match self.send(request, CHECK_DEADLINE).await {
+            Some(Ok((status, _))) if status.is_success() => Ok(()),
+            Some(Ok((status, _))) => Err(ParentError::Unreachable(format!(
+                "/healthz answered {status}"
+            ))),
+            Some(Err(e)) => Err(e),
+            None => Err(ParentError::Unreachable(format!(
+                "/healthz not answered within {CHECK_DEADLINE:?}"
+            ))),
+        }
+    }
+
+    /// Sends `request` and reads its answer (at most [`MAX_ANSWER_BYTES`]); `None` when that
+    /// took longer than `left`. What went wrong on the way is `Unreachable`.
+    async fn send(
+        &self,
+        request: axum::http::Request<Full<Bytes>>,
+        left: Duration,
+    ) -> Option<Result<(axum::http::StatusCode, Bytes), ParentError>> {
         let call = async {
             let response = self
                 .client
@@ -298,24 +318,14 @@ impl Parent {
                 .await
                 .map_err(|e| ParentError::Unreachable(connect_error(&e)))?;
             let status = response.status();
-            // Read to the end: the stream is done with before the next check.
-            let _ = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
+            let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
                 .collect()
-                .await;
-            if status.is_success() {
-                Ok(())
-            } else {
-                Err(ParentError::Unreachable(format!(
-                    "/healthz answered {status}"
-                )))
-            }
+                .await
+                .map_err(|e| ParentError::Unreachable(format!("reading the answer: {e}")))?
+                .to_bytes();
+            Ok((status, body))
         };
-        match tokio::time::timeout(CHECK_DEADLINE, call).await {
-            Ok(result) => result,
-            Err(_) => Err(ParentError::Unreachable(format!(
-                "/healthz not answered within {CHECK_DEADLINE:?}"
-            ))),
-        }
+        tokio::time::timeout(left, call).await.ok()
     }
 
     pub fn holder(&self) -> &str {
@@ -343,30 +353,17 @@ impl Parent {
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| ParentError::Refused(format!("cannot build the request: {e}")))?;
         let left = deadline.saturating_duration_since(Instant::now());
-        let call = async {
-            let response = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| ParentError::Unreachable(connect_error(&e)))?;
-            let status = response.status();
-            let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
-                .collect()
-                .await
-                .map_err(|e| ParentError::Unreachable(format!("reading the answer: {e}")))?
-                .to_bytes();
-            if status.is_server_error() {
-                return Err(ParentError::Unreachable(format!("answered {status}")));
+        let result = match self.send(request, left).await {
+            Some(Ok((status, _))) if status.is_server_error() => {
+                Err(ParentError::Unreachable(format!("answered {status}")))
             }
-            if !status.is_success() {
+            Some(Ok((status, body))) if !status.is_success() => {
                 let text = String::from_utf8_lossy(&body);
-                return Err(ParentError::Refused(format!("answered {status}: {text}")));
+                Err(ParentError::Refused(format!("answered {status}: {text}")))
             }
-            Ok(body)
-        };
-        let result = match tokio::time::timeout(left, call).await {
-            Ok(result) => result,
-            Err(_) => Err(ParentError::Unreachable(format!(
+            Some(Ok((_, body))) => Ok(body),
+            Some(Err(e)) => Err(e),
+            None => Err(ParentError::Unreachable(format!(
                 "no answer within {:?}",
                 self.timeout
             ))),
