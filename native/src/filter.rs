@@ -21,6 +21,9 @@ static NEXT_ID: AtomicU32 = AtomicU32::new(1);
 pub struct NativeFilter {
     pub config: Arc<NativeConfig>,
     stream: Stream,
+    /// A held request was resumed or answered (by the worker's outcome or by a failure mode
+    /// after a panic): nothing is left to decide for it.
+    released: bool,
 }
 
 impl NativeFilter {
@@ -29,6 +32,7 @@ impl NativeFilter {
         Self {
             config,
             stream: Stream::new(id),
+            released: false,
         }
     }
 
@@ -92,6 +96,9 @@ impl NativeFilter {
         let outcome = lock(&self.config.parked)
             .get_mut(&self.stream.id)
             .and_then(|slot| slot.outcome.take());
+        if outcome.is_some() {
+            self.released = true;
+        }
         match outcome {
             // SAFETY: `envoy` is this filter, in its own hook.
             Some(Outcome::Resume) => unsafe {
@@ -105,6 +112,19 @@ impl NativeFilter {
         // A request the worker let go no longer needs its scheduler.
         let (view, _) = parts(&self.config, self.stream.id, envoy);
         view.with_worker(|_| ());
+    }
+
+    /// After a panic in the scheduled hook: a request still held takes its policies' failure
+    /// mode (`closed` answers 503, `open` resumes it), once; one already resumed or answered
+    /// is left alone.
+    pub fn release_after_panic(&mut self, envoy: FilterEnvoyPtr) {
+        if std::mem::replace(&mut self.released, true) {
+            return;
+        }
+        if after_panic(&self.config, envoy) == Flow::Continue {
+            // SAFETY: `envoy` is this filter, in its own hook.
+            unsafe { abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy) };
+        }
     }
 }
 

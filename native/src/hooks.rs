@@ -3,7 +3,9 @@
 //! into Envoy's C++ frames. A panic in a hook that decides a request (request headers, body,
 //! trailers) takes the failure mode of the policies the request matches (`filter::after_panic`:
 //! `closed` answers 503, `open` lets it on), never "unlimited", and counts in `tollgate_panics`
-//! and the policies' `fail_open` / `fail_closed`; elsewhere (the response, the stream end, the
+//! and the policies' `fail_open` / `fail_closed`; so does one in the scheduled hook of a request
+//! still held (waiting for a lease or its shaped turn), which would otherwise stay held until
+//! Envoy's timeout; elsewhere (the response, the stream end, the
 //! configuration's events) there is nothing left to decide and the hook does nothing more.
 //!
 //! Pointers: a configuration is an `Arc<NativeConfig>` handed to Envoy with `into_raw` and
@@ -386,8 +388,33 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     ptr: *const c_void,
     _event: u64,
 ) {
-    // SAFETY: Envoy passes this filter's pointers.
-    unsafe { on_filter(ptr, (), |f| f.on_scheduled(envoy)) }
+    // The hook of a held request (waiting for a lease or its shaped turn): a panic here must
+    // not leave it held until Envoy's timeout.
+    let ran = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: Envoy passes this filter's pointers.
+        if let Some(filter) = unsafe { filter_mut(ptr) } {
+            stats::enter(filter.config.envoy.0);
+            #[cfg(feature = "panic-injection")]
+            filter::inject_panic(envoy, "scheduled");
+            filter.on_scheduled(envoy);
+        }
+    }));
+    if ran.is_ok() {
+        return;
+    }
+    ::log::error!(
+        "the tollgate scheduled hook panicked; a request still held takes its policies' failure mode"
+    );
+    let failed = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: as above (the filter outlives its hooks, a panic or not).
+        if let Some(filter) = unsafe { filter_mut(ptr) } {
+            stats::enter(filter.config.envoy.0);
+            filter.release_after_panic(envoy);
+        }
+    }));
+    if failed.is_err() {
+        ::log::error!("applying the failure mode after a panic panicked too");
+    }
 }
 
 #[no_mangle]

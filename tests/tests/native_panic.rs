@@ -51,11 +51,40 @@ const POLICY: &str = r#"{
   ]
 }"#;
 
+/// Shaped policies (2 per second, burst 1, a request over the rate waits for its turn): the
+/// second request of a key is held, and resumed or answered from the scheduled hook.
+const SHAPED: &str = r#"{
+  "policies": [
+    {
+      "name": "paced-closed",
+      "match": { "routes": ["GET /paced-closed/{id}"] },
+      "key": [{ "header": "x-tenant-id" }],
+      "rate": { "units": 2, "per": "1s" },
+      "burst": 1,
+      "shape": { "max_delay": "5s", "max_waiting": 8 },
+      "on_unavailable": { "mode": "closed" }
+    },
+    {
+      "name": "paced-open",
+      "match": { "routes": ["GET /paced-open/{id}"] },
+      "key": [{ "header": "x-tenant-id" }],
+      "rate": { "units": 2, "per": "1s" },
+      "burst": 1,
+      "shape": { "max_delay": "5s", "max_waiting": 8 },
+      "on_unavailable": { "mode": "open" }
+    }
+  ]
+}"#;
+
 fn start(upstream: &Upstream) -> Envoy {
+    start_with(upstream, POLICY)
+}
+
+fn start_with(upstream: &Upstream, policy: &str) -> Envoy {
     let module = panic_injection_module();
     let config = Build::Native.config(envoy_config(
         "envoy/local.yaml",
-        POLICY,
+        policy,
         upstream.port(),
         None,
     ));
@@ -147,6 +176,51 @@ async fn a_caught_panic_takes_the_policys_failure_mode() {
     }
     assert_eq!(statuses, [200, 200, 200, 429, 429]);
     assert_eq!(panics(&envoy), 4);
+    assert!(envoy.is_running());
+}
+
+/// A panic in the scheduled hook, which resumes or answers a held request: the request still
+/// held takes its policy's failure mode (it is not left held until Envoy's timeout), once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_while_a_request_is_held_takes_the_policys_failure_mode() {
+    let upstream = Upstream::start();
+    let mut envoy = start_with(&upstream, SHAPED);
+    let port = envoy.listener_port("ingress");
+    let paced = |path: &str| item(path).header("x-tollgate-panic", "scheduled");
+
+    // The first request takes the burst and is never held; the second waits for its turn
+    // (about 500 ms), and its scheduled hook panics.
+    let first = send(port, paced("/paced-closed/1")).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let held = send(port, paced("/paced-closed/2")).await;
+    assert_eq!(held.status, 503, "{}", held.body);
+    assert_eq!(held.body, limiter_unavailable("paced-closed").body);
+
+    let first = send(port, paced("/paced-open/1")).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let held = send(port, paced("/paced-open/2")).await;
+    assert_eq!(held.status, 200, "{}", held.body);
+
+    wait_for("the panics counted", Duration::from_secs(30), || {
+        (panics(&envoy) >= 2).then_some(())
+    })
+    .unwrap();
+    assert_eq!(panics(&envoy), 2);
+    assert_eq!(policy_metric(&envoy, "fail_closed", "paced-closed"), 1);
+    assert_eq!(policy_metric(&envoy, "fail_open", "paced-open"), 1);
+    let logs = envoy.logs();
+    assert!(logs.contains("panic injected in scheduled"), "{logs}");
+    assert!(
+        logs.contains("the tollgate scheduled hook panicked"),
+        "{logs}"
+    );
+
+    // Without a panic, a held request is resumed at its turn: shaping goes on.
+    let other = |path: &str| RequestSpec::get(path).header("x-tenant-id", "globex");
+    let first = send(port, other("/paced-closed/3")).await;
+    let second = send(port, other("/paced-closed/4")).await;
+    assert_eq!((first.status, second.status), (200, 200), "{}", second.body);
+    assert_eq!(panics(&envoy), 2);
     assert!(envoy.is_running());
 }
 
