@@ -143,6 +143,27 @@ pub struct ReturnNeed {
     pub unused: u64,
 }
 
+impl ReturnNeed {
+    /// What an expiry of (`policy`, `key`)'s lease hands back: one return per lease that left
+    /// tokens unspent (a decision's scratch and the worker's tick both queue them).
+    pub fn of_expiry<'a>(
+        policy: usize,
+        key: &'a str,
+        expiry: &global::Expiry,
+    ) -> impl Iterator<Item = ReturnNeed> + 'a {
+        expiry
+            .returns
+            .into_iter()
+            .filter(|&(_, unused)| unused > 0)
+            .map(move |(seq, unused)| ReturnNeed {
+                policy,
+                key: key.to_owned(),
+                seq,
+                unused,
+            })
+    }
+}
+
 /// What to do with the request.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {

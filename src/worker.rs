@@ -897,16 +897,11 @@ impl Worker {
             };
             match take_expired(ctx.engine, ctx.store, &bucket_id, ctx.now_ms) {
                 Ok(LeaseExpiry::Taken { expiry, live_until }) => {
-                    for (seq, unused) in expiry.returns {
-                        if unused > 0 {
-                            self.queued_returns.push(ReturnNeed {
-                                policy: watched.policy,
-                                key: watched.key.clone(),
-                                seq,
-                                unused,
-                            });
-                        }
-                    }
+                    self.queued_returns.extend(ReturnNeed::of_expiry(
+                        watched.policy,
+                        &watched.key,
+                        &expiry,
+                    ));
                     if expiry.expired > 0 {
                         ctx.metrics
                             .lease(watched.policy, LeaseEvent::Expired(expiry.expired));

@@ -167,16 +167,9 @@ impl Engine {
         }
         global::accrue(lease, now_ms);
         if let Some(expiry) = global::expire(lease, now_ms) {
-            for (seq, unused) in expiry.returns {
-                if unused > 0 {
-                    scratch.returns.push(ReturnNeed {
-                        policy: matched.index,
-                        key: matched.key.clone(),
-                        seq,
-                        unused,
-                    });
-                }
-            }
+            scratch
+                .returns
+                .extend(ReturnNeed::of_expiry(matched.index, &matched.key, &expiry));
             if expiry.expired > 0 {
                 scratch.expired.push((matched.index, expiry.expired));
             }
