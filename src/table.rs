@@ -714,81 +714,76 @@ struct Buffers {
     write: WriteScratch,
 }
 
-/// The groups a transaction read, keeping the ones it drops (up to the most it held) so the
-/// next reads reuse their value's and name's buffers.
-#[derive(Default)]
-struct GroupList {
-    items: Vec<Group>,
+/// A list that keeps the items it drops (up to the most it held), so the next items written
+/// into it reuse their buffers and are read in place instead of built and moved: the groups a
+/// transaction read (their value's and name's buffers) and its records (their ids' buffers).
+struct KeptList<T> {
+    items: Vec<T>,
     len: usize,
 }
 
-impl GroupList {
+/// The groups a transaction read.
+type GroupList = KeptList<Group>;
+/// The records of a transaction.
+type RecordList = KeptList<Record>;
+
+/// An item a [`KeptList`] adds when it keeps none to reuse.
+trait Blank {
+    fn blank() -> Self;
+}
+
+impl Blank for Group {
+    fn blank() -> Self {
+        Group::default()
+    }
+}
+
+impl Blank for Record {
+    fn blank() -> Self {
+        Record::fresh("")
+    }
+}
+
+impl<T> Default for KeptList<T> {
+    fn default() -> Self {
+        Self {
+            items: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T: Blank> KeptList<T> {
     fn clear(&mut self) {
         self.len = 0;
     }
 
-    fn as_slice(&self) -> &[Group] {
+    fn as_slice(&self) -> &[T] {
         self.items.get(..self.len).unwrap_or_default()
     }
 
-    fn as_mut_slice(&mut self) -> &mut [Group] {
+    fn as_mut_slice(&mut self) -> &mut [T] {
         self.items.get_mut(..self.len).unwrap_or_default()
     }
 
-    /// A new last group holding a dropped one's buffers and stale fields: the caller reads
-    /// into it. (Always `Some`: a group is added when none is kept.)
-    fn push(&mut self) -> Option<&mut Group> {
+    /// A new last item holding a dropped one's buffers and stale fields: the caller sets or
+    /// reads into every field. (Always `Some`: an item is added when none is kept.)
+    fn push(&mut self) -> Option<&mut T> {
         if self.len >= self.items.len() {
-            self.items.push(Group::default());
+            self.items.push(T::blank());
         }
-        let group = self.items.get_mut(self.len)?;
+        let item = self.items.get_mut(self.len)?;
         self.len += 1;
-        Some(group)
+        Some(item)
     }
 
-    /// Drops the last group.
+    /// Drops the last item.
     fn pop(&mut self) {
         self.len = self.len.saturating_sub(1);
     }
-}
-
-/// A list of records that keeps the ones it drops (up to the most it held), so the next
-/// records written into it reuse their ids' buffers and are decoded in place instead of moved.
-#[derive(Default)]
-struct RecordList {
-    items: Vec<Record>,
-    len: usize,
 }
 
 impl RecordList {
-    fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    fn as_slice(&self) -> &[Record] {
-        self.items.get(..self.len).unwrap_or_default()
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [Record] {
-        self.items.get_mut(..self.len).unwrap_or_default()
-    }
-
-    /// A new last record holding a dropped one's stale fields: the caller sets every field.
-    /// (Always `Some`: a record is added when none is kept.)
-    fn push(&mut self) -> Option<&mut Record> {
-        if self.len >= self.items.len() {
-            self.items.push(Record::fresh(""));
-        }
-        let record = self.items.get_mut(self.len)?;
-        self.len += 1;
-        Some(record)
-    }
-
-    /// Drops the last record.
-    fn pop(&mut self) {
-        self.len = self.len.saturating_sub(1);
-    }
-
     /// Becomes a copy of `source`, reusing its records' buffers.
     fn copy_from(&mut self, source: &[Record]) {
         self.len = 0;
