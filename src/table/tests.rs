@@ -1190,26 +1190,33 @@ fn a_reload_that_moves_keys_keeps_or_restarts_each_keys_state_never_mixes_it() {
     }
 }
 
-#[test]
-fn clone_from_copies_every_field() {
-    let mut source = Record::fresh("p:source");
-    source.bucket = Some(BucketState {
+/// A record with every part set (bucket, lease, in-flight slots, counters, log).
+fn record_with_every_part(id: &str) -> Record {
+    let mut record = Record::fresh(id);
+    record.bucket = Some(BucketState {
         tokens: 2.5,
         updated_ms: 9,
     });
-    source.lease.tokens = 7;
-    source.lease.debt = 3;
-    source.in_flight.counts[0] = 2;
-    source.counters = Some(Counters {
+    record.lease.tokens = 7;
+    record.lease.prev_seq = 4;
+    record.lease.debt = 3;
+    record.in_flight.counts[0] = 2;
+    record.counters = Some(Counters {
         window: 4,
         count: 5,
         previous: 6,
     });
-    source.log = Some(Log {
+    record.log = Some(Log {
         times: vec![1, 2, 3],
         seen_ms: 3,
     });
-    source.evictable_at_ms = 11;
+    record.evictable_at_ms = 11;
+    record
+}
+
+#[test]
+fn clone_from_copies_every_field() {
+    let source = record_with_every_part("p:source");
     let mut target = Record::fresh("p:a-longer-id-whose-buffer-is-reused");
     target.log = Some(Log {
         times: vec![9; 10],
@@ -1222,25 +1229,7 @@ fn clone_from_copies_every_field() {
 
 #[test]
 fn decoding_into_a_kept_record_overwrites_every_field() {
-    let mut full = Record::fresh("p:full");
-    full.bucket = Some(BucketState {
-        tokens: 2.5,
-        updated_ms: 9,
-    });
-    full.lease.tokens = 7;
-    full.lease.prev_seq = 4;
-    full.lease.debt = 3;
-    full.in_flight.counts[0] = 2;
-    full.counters = Some(Counters {
-        window: 4,
-        count: 5,
-        previous: 6,
-    });
-    full.log = Some(Log {
-        times: vec![1, 2, 3],
-        seen_ms: 3,
-    });
-    full.evictable_at_ms = 11;
+    let full = record_with_every_part("p:full");
     let mut plain = Record::fresh("p:plain");
     plain.bucket = Some(BucketState {
         tokens: 1.0,

@@ -201,14 +201,19 @@ impl Rig {
         }
     }
 
-    /// What the HTTP context does for a new request; returns the verdict.
-    fn request(&mut self, context: u32, tenant: &'static str, now: u64) -> Verdict {
+    /// The plan of a request of `tenant` to the test route.
+    fn plan(&self, tenant: &'static str) -> Plan {
         let facts = RequestFacts {
             method: "GET".into(),
             path: "/x".into(),
             host: "h".into(),
         };
-        let plan = self.engine.plan(&facts, &Req(tenant));
+        self.engine.plan(&facts, &Req(tenant))
+    }
+
+    /// What the HTTP context does for a new request; returns the verdict.
+    fn request(&mut self, context: u32, tenant: &'static str, now: u64) -> Verdict {
+        let plan = self.plan(tenant);
         let decision = self
             .engine
             .decide(&plan, &self.store, now, Attempt::default());
@@ -497,14 +502,7 @@ fn a_lease_is_returned_once_whoever_finds_it_expired() {
     rig.answer_all(0);
     // Another worker of the instance watches the same key (as if it had credited it).
     let mut other = Worker::new(0xabc, 2);
-    let plan = rig.engine.plan(
-        &RequestFacts {
-            method: "GET".into(),
-            path: "/x".into(),
-            host: "h".into(),
-        },
-        &Req("t"),
-    );
+    let plan = rig.plan("t");
     let m = &plan.enforced[0];
     other.watch(m.index, &m.key, &m.bucket_id, 2_000);
     other.tick(&rig.ctx(2_010));
@@ -523,14 +521,7 @@ fn a_renewed_lease_is_watched_until_its_new_expiry() {
     let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
     assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
     rig.answer_all(0);
-    let plan = rig.engine.plan(
-        &RequestFacts {
-            method: "GET".into(),
-            path: "/x".into(),
-            host: "h".into(),
-        },
-        &Req("t"),
-    );
+    let plan = rig.plan("t");
     let m = plan.enforced[0].clone();
     let first = rig
         .engine
@@ -539,16 +530,7 @@ fn a_renewed_lease_is_watched_until_its_new_expiry() {
         .unwrap();
     // Another worker's answer renews the lease at 1.5 s (5 more tokens, expiring at 3.5 s):
     // the first lease's 3 unspent tokens merge with them.
-    let need = LeaseNeed {
-        policy: m.index,
-        key: m.key.clone(),
-        bucket_id: m.bucket_id.clone(),
-        min: 1,
-        want: 5,
-        demand_per_s: 1.0,
-        blocking: false,
-        asked_ms: 1_500,
-    };
+    let need = need_of(&m, false, 1_500);
     let grant = LeaseGranted {
         id: global::lease_id(0xabc, 77),
         granted: 5,
@@ -589,25 +571,9 @@ fn a_renewed_lease_is_watched_until_its_new_expiry() {
 #[test]
 fn refills_merged_into_a_lease_return_every_unspent_token_under_its_lease_id() {
     let rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
-    let plan = rig.engine.plan(
-        &RequestFacts {
-            method: "GET".into(),
-            path: "/x".into(),
-            host: "h".into(),
-        },
-        &Req("t"),
-    );
+    let plan = rig.plan("t");
     let m = plan.enforced[0].clone();
-    let need = LeaseNeed {
-        policy: m.index,
-        key: m.key.clone(),
-        bucket_id: m.bucket_id.clone(),
-        min: 1,
-        want: 5,
-        demand_per_s: 1.0,
-        blocking: false,
-        asked_ms: 0,
-    };
+    let need = need_of(&m, false, 0);
     let grant = |granted| LeaseGranted {
         id: String::new(),
         granted,
@@ -852,12 +818,7 @@ fn one_request_per_instance_asks_for_a_key_and_other_workers_wait_for_it() {
     assert_eq!(rig.request(1, "t", 0), Verdict::Wait);
     assert_eq!(lease_callouts(&rig), 1);
     // The second worker's request finds the key being asked for: it waits, asking nothing.
-    let facts = RequestFacts {
-        method: "GET".into(),
-        path: "/x".into(),
-        host: "h".into(),
-    };
-    let plan = rig.engine.plan(&facts, &Req("t"));
+    let plan = rig.plan("t");
     let decision = rig.engine.decide(&plan, &rig.store, 1, Attempt::default());
     assert_eq!(decision.verdict, Verdict::Wait);
     assert!(decision.needs.is_empty());
@@ -873,23 +834,9 @@ fn one_request_per_instance_asks_for_a_key_and_other_workers_wait_for_it() {
 #[test]
 fn a_late_denial_never_hides_tokens_the_instance_holds() {
     let rig = assigning_rig();
-    let facts = RequestFacts {
-        method: "GET".into(),
-        path: "/x".into(),
-        host: "h".into(),
-    };
-    let plan = rig.engine.plan(&facts, &Req("t"));
+    let plan = rig.plan("t");
     let m = &plan.enforced[0];
-    let need = LeaseNeed {
-        policy: m.index,
-        key: m.key.clone(),
-        bucket_id: m.bucket_id.clone(),
-        min: 1,
-        want: 5,
-        demand_per_s: 1.0,
-        blocking: true,
-        asked_ms: 0,
-    };
+    let need = need_of(m, true, 0);
     let grant = LeaseGranted {
         id: "a".into(),
         granted: 1,
@@ -984,4 +931,18 @@ fn shaped_requests_sleep_until_their_turn_and_wake_in_order() {
     assert!(!rig
         .worker
         .sleep(1, 9_000, vec![], Default::default(), &host));
+}
+
+/// A lease ask of `m`'s key (at least 1, up to 5 tokens, at 1 per second of demand).
+fn need_of(m: &crate::engine::Matched, blocking: bool, asked_ms: u64) -> LeaseNeed {
+    LeaseNeed {
+        policy: m.index,
+        key: m.key.clone(),
+        bucket_id: m.bucket_id.clone(),
+        min: 1,
+        want: 5,
+        demand_per_s: 1.0,
+        blocking,
+        asked_ms,
+    }
 }
