@@ -18,7 +18,7 @@
 //!   in a release cycle that changes the ABI, a released ABI is not broken, and until v1.0
 //!   backward compatibility reaches only the next minor (v0.1.y works with v0.2.x, not with
 //!   v0.3.x); the string is used only to track the version and warn on a mismatch.
-//! - `docs/root/intro/arch_overview/advanced/dynamic_modules.rst` ("Compatibility"): a module
+//! - Envoy's documentation of dynamic modules, its compatibility section: a module
 //!   built for Envoy X.Y works with Envoy X.Y and X.(Y+1); later versions may break it.
 //!
 //! For this module (Envoy 1.40, ABI v0.2.0) that is Envoy 1.40 and 1.41, hosts of ABI v0.2.x and
