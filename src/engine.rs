@@ -16,7 +16,8 @@ mod step;
 
 use crate::global::{self, DEADLINE_MARGIN_MS};
 use crate::shared::SharedData;
-use crate::table::{SlotTable, TableError};
+use crate::table::{Cells, SlotTable, TableError};
+use std::sync::Arc;
 use tollgate_core::policy::{LimiterSpec, Policies, Policy};
 use tollgate_core::response::LocalReply;
 
@@ -256,6 +257,14 @@ impl Engine {
 
     pub fn table(&self) -> &SlotTable {
         &self.table
+    }
+
+    /// The same engine with its table's records kept typed in `cells` (see
+    /// [`crate::table::Cells`]; sized by the table's `groups_needed`), for a host whose
+    /// workers are threads of one process.
+    pub fn keeping_records_in(mut self, cells: Arc<Cells>) -> Result<Self, TableError> {
+        self.table = self.table.in_cells(cells)?;
+        Ok(self)
     }
 
     pub fn limiter(&self) -> Option<&LimiterSpec> {

@@ -56,10 +56,14 @@
 //! A slot holds one [`Record`]: the local token bucket of a (policy, key) and, for global
 //! policies, this instance's lease of the global budget with its bookkeeping.
 
+mod cells;
 mod hash;
+
+pub use cells::Cells;
 
 use crate::shared::{SharedData, WriteError};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use tollgate_core::bucket::BucketState;
 use tollgate_core::in_flight::{Slots, EPOCHS};
 use tollgate_core::window::{Counters, Log};
@@ -869,6 +873,9 @@ pub struct SlotTable {
     hash_key: hash::Key,
     /// Region of each policy name; empty: the whole table is one region.
     regions: BTreeMap<String, Region>,
+    /// Where the records live when not in the shared-data store: typed, in process memory
+    /// (a host whose workers are threads of one process).
+    cells: Option<Arc<Cells>>,
 }
 
 /// A salt seed no client can work out: `mix` (the clock, an instance's own number) hashed with
@@ -891,6 +898,22 @@ impl SlotTable {
         slots: u32,
         seed: u64,
     ) -> Result<Self, TableError> {
+        let table = Self::open_salted(store, prefix, slots, seed)?;
+        let empty = encode_group(&vec![None; GROUP_SLOTS]);
+        for group in 0..table.groups {
+            create_if_absent(store, &table.group_key(group), &empty)?;
+        }
+        Ok(table)
+    }
+
+    /// The table's layout under `prefix` with the store's salt (created from `seed` if the
+    /// store has none), creating no group: for a table whose records live in [`Cells`].
+    pub fn open_salted(
+        store: &impl SharedData,
+        prefix: &str,
+        slots: u32,
+        seed: u64,
+    ) -> Result<Self, TableError> {
         let salt_key = format!("{prefix}salt");
         create_if_absent(store, &salt_key, &seed.to_le_bytes())?;
         let salt = match store.get(&salt_key) {
@@ -898,18 +921,14 @@ impl SlotTable {
             _ => return Err(TableError::Host),
         };
         let per_group = GROUP_SLOTS as u32;
-        let table = Self {
+        Ok(Self {
             prefix: prefix.to_string(),
             groups: slots.max(1).div_ceil(per_group),
             hash_key: hash::Key::from_salt(&salt),
             salt,
             regions: BTreeMap::new(),
-        };
-        let empty = encode_group(&vec![None; GROUP_SLOTS]);
-        for group in 0..table.groups {
-            create_if_absent(store, &table.group_key(group), &empty)?;
-        }
-        Ok(table)
+            cells: None,
+        })
     }
 
     /// The same table split into one region per distinct name (in order of first appearance),
@@ -944,6 +963,28 @@ impl SlotTable {
             start += groups;
         }
         self
+    }
+
+    /// The same table with its records kept typed in `cells` (sized by
+    /// [`SlotTable::groups_needed`]) instead of the shared-data store: see [`cells`]. The
+    /// store still holds the salt. Cells with fewer groups than the table spans are refused.
+    pub fn in_cells(mut self, cells: Arc<Cells>) -> Result<Self, TableError> {
+        if cells.groups() < self.groups_needed() {
+            return Err(TableError::Host);
+        }
+        self.cells = Some(cells);
+        Ok(self)
+    }
+
+    /// Groups the table's regions span (more than it was opened with only when it has more
+    /// regions than groups).
+    pub fn groups_needed(&self) -> u32 {
+        self.regions
+            .values()
+            .map(|r| r.start + r.groups)
+            .max()
+            .unwrap_or(0)
+            .max(self.groups)
     }
 
     /// Records the table can hold (all regions together).
@@ -1238,6 +1279,9 @@ impl SlotTable {
         decide: impl FnMut(&mut [Record]) -> Txn<T>,
         refund: impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<Transacted<T>, TableError> {
+        if let Some(cells) = &self.cells {
+            return self.transact_cells(cells, ids, now_ms, decide);
+        }
         let mut buffers = Buffers::take();
         let result = self.transact_in(&mut buffers, store, ids, now_ms, decide, refund);
         buffers.give_back();

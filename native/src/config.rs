@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tollgate::engine::{Engine, SHARED_PREFIX};
 use tollgate::metrics::Metrics;
-use tollgate::table::{unguessable_seed, SlotTable};
+use tollgate::table::{unguessable_seed, Cells, SlotTable};
 use tollgate::worker::{Ctx, Host, Worker};
 use tollgate_core::policy::{KeyPart, Policies};
 use tollgate_core::protocol::MAX_BODY_BYTES;
@@ -33,6 +33,23 @@ pub const EVENT_TICK: u64 = 2;
 fn process_store() -> &'static ProcessSharedData {
     static STORE: OnceLock<ProcessSharedData> = OnceLock::new();
     STORE.get_or_init(ProcessSharedData::default)
+}
+
+/// The table's records, typed, for every configuration of the process: a configuration that
+/// keeps the table's size (a listener update) finds every key's state where it was; one of
+/// another size gets fresh cells (its keys move to other groups anyway), and the old cells go
+/// when the last configuration using them does.
+fn process_cells(groups: u32) -> Arc<Cells> {
+    static CELLS: Mutex<Option<Arc<Cells>>> = Mutex::new(None);
+    let mut current = lock(&CELLS);
+    match current.as_ref() {
+        Some(cells) if cells.groups() == groups => cells.clone(),
+        _ => {
+            let cells = Arc::new(Cells::new(groups));
+            *current = Some(cells.clone());
+            cells
+        }
+    }
 }
 
 /// Worker numbers of this process (each configuration's worker has its own lease ids).
@@ -117,7 +134,7 @@ impl NativeConfig {
                 .unwrap_or(0)
                 ^ u64::from(std::process::id()).rotate_left(32),
         );
-        let table = SlotTable::open(
+        let table = SlotTable::open_salted(
             process_store(),
             SHARED_PREFIX,
             policies.local_table.slots,
@@ -125,8 +142,15 @@ impl NativeConfig {
         )
         .map_err(|error| format!("cannot create the shared table: {error:?}"))?;
         let instance = table.instance();
+        // One process: the records live typed in its memory, not as shared-data bytes.
+        let engine = Engine::new(policies, table);
+        let cells = process_cells(engine.table().groups_needed());
+        let engine = engine
+            .keeping_records_in(cells)
+            .map_err(|error| format!("cannot keep the table in memory: {error:?}"))?;
+        let policies = &engine.policies;
         let worker = Worker::new(instance, NEXT_WORKER.fetch_add(1, Ordering::Relaxed));
-        let metrics = Metrics::define(&policies);
+        let metrics = Metrics::define(policies);
         let (cluster, authority) = policies
             .limiter
             .as_ref()
@@ -141,7 +165,7 @@ impl NativeConfig {
         let scheduler = Shared(scheduler);
         Ok(Arc::new(NativeConfig {
             envoy: Shared(envoy),
-            engine: Engine::new(policies, table),
+            engine,
             metrics,
             worker: Mutex::new(worker),
             parked: Mutex::new(HashMap::new()),

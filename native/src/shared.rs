@@ -1,12 +1,14 @@
-//! The per-instance table's storage in process memory: what proxy-wasm shared data is to the
-//! wasm build, with the same semantics (see `tollgate::shared`): a read returns the value and
-//! its CAS stamp (never 0), a write with a stamp to a present key fails unless the stamps match,
-//! a write to a missing key succeeds. Every worker thread of the Envoy process sees one map.
+//! proxy-wasm's shared data in process memory, for the engine's few shared keys (the table's
+//! salt, worker counters): what proxy-wasm shared data is to the wasm build, with the same
+//! semantics (see `tollgate::shared`): a read returns the value and its CAS stamp (never 0), a
+//! write with a stamp to a present key fails unless the stamps match, a write to a missing key
+//! succeeds. Every worker thread of the Envoy process sees one map. The table's records are not
+//! here: the native build keeps them typed (`tollgate::table::Cells`).
 //!
-//! The map holds only the keys the slot table creates up front (its groups, a worker counter):
-//! its memory is bounded by configuration, as in the wasm build. Keys are spread over
-//! [`SHARDS`] mutexes so that workers touching different groups do not wait for each other.
-//! A key is hashed once per call (foldhash, seeded per process: the keys are the table's own
+//! The map holds only keys the engine names itself, never one per client key: its memory is
+//! bounded by configuration. Keys are spread over [`SHARDS`] mutexes so that workers touching
+//! different keys do not wait for each other.
+//! A key is hashed once per call (foldhash, seeded per process: the keys are the engine's own
 //! names, which no client chooses, so a fast hash is enough): one part of the
 //! hash picks the shard, and the shard's map is keyed by the hash itself, each hash holding
 //! the keys that have it (almost always one), compared in full.

@@ -1284,3 +1284,318 @@ fn seeds_from_the_same_clock_differ() {
     assert_eq!(seeds.len(), 64);
     assert!(!seeds.contains(&42));
 }
+
+// The same table with its records typed in process memory (`Cells`): the shared-data store
+// holds only the salt; the semantics above hold unchanged.
+
+fn open_in_cells(
+    store: &MemorySharedData,
+    slots: u32,
+    policies: &[&str],
+) -> (SlotTable, Arc<Cells>) {
+    let table = SlotTable::open_salted(store, "tollgate/test/", slots, 7)
+        .unwrap()
+        .partitioned(policies.iter().copied());
+    let cells = Arc::new(Cells::new(table.groups_needed()));
+    (table.in_cells(cells.clone()).unwrap(), cells)
+}
+
+#[test]
+fn cells_hold_exact_capacity_and_decide_all_or_nothing() {
+    let store = MemorySharedData::default();
+    let (table, cells) = open_in_cells(&store, 64, &[]);
+    assert_eq!(store.entries(), 1, "the store holds only the salt");
+    let l = Limits::new(100, 1_000, 20).unwrap();
+    let charge = [Charge {
+        bucket_id: "p:tenant",
+        limits: &l,
+        cost: 5,
+    }];
+    for i in 0..4 {
+        assert!(table.charge(&store, &charge, 1_000).unwrap().allowed, "{i}");
+    }
+    let denied = table.charge(&store, &charge, 1_000).unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(denied.retry_ms[0], 50);
+    assert!(table.charge(&store, &charge, 1_050).unwrap().allowed);
+
+    let wide = limits(10);
+    let narrow = limits(2);
+    let both = [
+        Charge {
+            bucket_id: "tenant-wide:acme",
+            limits: &wide,
+            cost: 1,
+        },
+        Charge {
+            bucket_id: "route:acme",
+            limits: &narrow,
+            cost: 1,
+        },
+    ];
+    assert!(table.charge(&store, &both, 0).unwrap().allowed);
+    assert!(table.charge(&store, &both, 0).unwrap().allowed);
+    assert!(!table.charge(&store, &both, 0).unwrap().allowed);
+    // The denial took nothing from the tenant-wide bucket: 8 left.
+    for _ in 0..8 {
+        assert!(table.charge(&store, &both[..1], 0).unwrap().allowed);
+    }
+    assert!(!table.charge(&store, &both[..1], 0).unwrap().allowed);
+    assert_eq!(cells.records().len(), 3);
+    assert_eq!(store.entries(), 1, "a record reached the store");
+}
+
+#[test]
+fn cells_never_share_a_slot_and_hold_at_most_the_configured_records() {
+    let store = MemorySharedData::default();
+    let (table, cells) = open_in_cells(&store, 16, &[]);
+    let l = limits(3);
+    let (mut allowed, mut full) = (0, 0);
+    for tenant in 0..10_000 {
+        let id = format!("p:{tenant}");
+        let charge = [Charge {
+            bucket_id: &id,
+            limits: &l,
+            cost: 1,
+        }];
+        match table.charge(&store, &charge, 0) {
+            Ok(c) if c.allowed => allowed += 1,
+            Ok(_) => panic!("a fresh tenant was denied: it shares state"),
+            Err(TableError::Full) => full += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert_eq!(allowed, 16);
+    assert_eq!(full, 10_000 - 16);
+    let records = cells.records();
+    assert_eq!(records.len(), 16);
+    let mut ids: Vec<_> = records.iter().map(|(_, r)| r.id.clone()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 16, "a key was created twice");
+    // Each record is one typed value plus its id: no more than the slots' worth.
+    let (held, bytes) = cells.footprint();
+    assert_eq!(held, 16);
+    assert!(
+        bytes <= 16 * (std::mem::size_of::<Record>() + 16),
+        "{bytes} bytes"
+    );
+}
+
+#[test]
+fn cells_evict_only_idle_records() {
+    let store = MemorySharedData::default();
+    let (table, _cells) = open_in_cells(&store, 16, &[]);
+    let l = Limits::new(1, 1, 2).unwrap();
+    let charge = |id: &str, now: u64| {
+        table.charge(
+            &store,
+            &[Charge {
+                bucket_id: id,
+                limits: &l,
+                cost: 1,
+            }],
+            now,
+        )
+    };
+    let mut live = 0;
+    for tenant in 0..1_000 {
+        if charge(&format!("p:{tenant}"), 0).is_ok() {
+            live += 1;
+        }
+    }
+    assert_eq!(live, 16);
+    assert_eq!(charge("p:new", 0), Err(TableError::Full));
+    // 1 ms later the buckets are full again (idle), and one gives way.
+    let later = charge("p:new", 5).unwrap();
+    assert!(later.allowed);
+    assert_eq!(later.evictions, 1);
+    assert_eq!(charge("p:new", 5).unwrap().evictions, 0);
+}
+
+#[test]
+fn cells_place_new_keys_of_one_transaction_each_once() {
+    // 2 groups of 4: eight new keys in one transaction share every candidate.
+    let store = MemorySharedData::default();
+    let (table, cells) = open_in_cells(&store, 8, &[]);
+    let ids: Vec<String> = (0..8).map(|i| format!("p:k{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let done = insert(&table, &store, "unused:warm", 0, 0).unwrap();
+    assert!(done.committed);
+    // The warm record is idle: one of the eight takes its slot.
+    let done = table
+        .transact(
+            &store,
+            &refs,
+            0,
+            |records| {
+                for r in records.iter_mut() {
+                    r.evictable_at_ms = 1_000;
+                }
+                Txn::Commit(())
+            },
+            |_, _, _, _| {},
+        )
+        .unwrap();
+    assert_eq!(done.evictions, 1);
+    let mut held: Vec<_> = cells.records().into_iter().map(|(_, r)| r.id).collect();
+    held.sort();
+    assert_eq!(held, ids);
+    // A ninth live key finds no room; an aborted transaction writes nothing.
+    assert_eq!(
+        insert(&table, &store, "p:k8", 0, 1_000).map(|t| t.committed),
+        Err(TableError::Full)
+    );
+    let aborted = table
+        .transact(&store, &refs, 0, |_| Txn::Abort(()), |_, _, _, _| {})
+        .unwrap();
+    assert!(!aborted.committed);
+    assert_eq!(cells.records().len(), 8);
+}
+
+#[test]
+fn cells_keep_workers_exact_and_never_deadlock() {
+    // Four threads charge overlapping pairs of keys in opposite orders (locks are taken in
+    // group order, whatever the order of the ids): every key admits exactly its burst.
+    let store = MemorySharedData::default();
+    let (table, cells) = open_in_cells(&store, 64, &["a", "b"]);
+    let l = limits(300);
+    let admitted: Vec<u64> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                let (table, l) = (&table, &l);
+                scope.spawn(move || {
+                    // The cells hold the records; each worker has its own store handle.
+                    let store = MemorySharedData::default();
+                    let mut admitted = 0;
+                    for i in 0..400 {
+                        let (x, y) = (format!("a:k{}", i % 3), format!("b:k{}", (i + t) % 3));
+                        let pair = [(x.as_str(), l), (y.as_str(), l)];
+                        let order: Vec<_> = if t % 2 == 0 {
+                            pair.to_vec()
+                        } else {
+                            pair.iter().rev().copied().collect()
+                        };
+                        let charges: Vec<_> = order
+                            .iter()
+                            .map(|(id, limits)| Charge {
+                                bucket_id: id,
+                                limits,
+                                cost: 1,
+                            })
+                            .collect();
+                        if table.charge(&store, &charges, 0).unwrap().allowed {
+                            admitted += 1;
+                        }
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Each pair takes one unit from an `a` key and one from a `b` key; 6 keys of 300 units.
+    let total: u64 = admitted.iter().sum();
+    let records = cells.records();
+    assert_eq!(records.len(), 6);
+    let spent: f64 = records
+        .iter()
+        .map(|(_, r)| 300.0 - r.bucket.unwrap().tokens)
+        .sum();
+    assert!(
+        (spent - 2.0 * total as f64).abs() < 0.01,
+        "{spent} vs {total}"
+    );
+    assert!(total <= 900, "{total}");
+}
+
+#[test]
+fn a_panicking_decision_leaves_the_cells_as_they_were() {
+    let store = MemorySharedData::default();
+    let (table, cells) = open_in_cells(&store, 16, &[]);
+    let l = limits(5);
+    let charge = [Charge {
+        bucket_id: "p:a",
+        limits: &l,
+        cost: 2,
+    }];
+    assert!(table.charge(&store, &charge, 0).unwrap().allowed);
+    let before = cells.records();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        table.transact(
+            &store,
+            &["p:a"],
+            0,
+            |records| -> Txn<()> {
+                records[0].bucket = None;
+                panic!("a decision's bug");
+            },
+            |_, _, _, _| {},
+        )
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(cells.records(), before);
+    assert!(table.charge(&store, &charge, 0).unwrap().allowed);
+    assert!(
+        !table.charge(&store, &charge, 0).unwrap().allowed,
+        "3 of 5 taken, 2 left"
+    );
+}
+
+#[test]
+fn cells_shared_by_a_reload_keep_or_restart_each_keys_state_never_mix_it() {
+    // An old and a new configuration (one more policy: `p`'s region moves) on the same cells,
+    // both serving: each key keeps its record or starts fresh, and every unit charged is in
+    // exactly one record of that key.
+    let store = MemorySharedData::default();
+    let (old, cells) = open_in_cells(&store, 256, &["p"]);
+    let new = SlotTable::open_salted(&store, "tollgate/test/", 256, 99)
+        .unwrap()
+        .partitioned(["q", "p"])
+        .in_cells(cells.clone())
+        .unwrap();
+    let l = limits(100);
+    let keys: Vec<String> = (0..40).map(|i| format!("p:t{i}")).collect();
+    let cost = |i: usize| (i % 7) as u64 + 1;
+    let mut charged = vec![0u64; keys.len()];
+    let charge = |table: &SlotTable, i: usize, now| {
+        let c = [Charge {
+            bucket_id: &keys[i],
+            limits: &l,
+            cost: cost(i),
+        }];
+        assert!(table.charge(&store, &c, now).unwrap().allowed);
+    };
+    for (i, total) in charged.iter_mut().enumerate() {
+        charge(&old, i, 1_000);
+        *total += cost(i);
+    }
+    for (round, now) in [2_000u64, 3_000].into_iter().enumerate() {
+        for (i, total) in charged.iter_mut().enumerate() {
+            let table = if (i + round) % 2 == 0 { &new } else { &old };
+            charge(table, i, now);
+            *total += cost(i);
+        }
+    }
+    let records = cells.records();
+    let mut moved = 0;
+    for (i, key) in keys.iter().enumerate() {
+        let held: Vec<_> = records.iter().filter(|(_, r)| r.id == *key).collect();
+        assert!(!held.is_empty() && held.len() <= 2, "{key}: {held:?}");
+        moved += usize::from(held.len() == 2);
+        let spent: f64 = held
+            .iter()
+            .map(|(_, r)| 100.0 - r.bucket.unwrap().tokens)
+            .sum();
+        assert!((spent - charged[i] as f64).abs() < 0.01, "{key}: {spent}");
+    }
+    assert!(
+        moved > 0,
+        "the new layout moved no key: the test shows nothing"
+    );
+    // Cells smaller than the table spans are refused.
+    assert_eq!(
+        open(&store, 256).in_cells(Arc::new(Cells::new(8))).err(),
+        Some(TableError::Host)
+    );
+}
