@@ -425,15 +425,22 @@ type Headers = Vec<(String, Vec<u8>)>;
 
 impl HostRequest {
     fn with_request_header<R>(&self, name: &str, f: impl FnOnce(Option<&[u8]>) -> R) -> R {
-        let mut cache = self.request_headers.borrow_mut();
-        let headers = cache.get_or_insert_with(|| {
-            hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
-        });
+        if let Ok(mut cache) = self.request_headers.try_borrow_mut() {
+            if cache.is_none() {
+                *cache =
+                    Some(hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default());
+            }
+        }
+        // Read through a shared borrow: `f` may read another header (the request line is read
+        // in place, one header inside another's reader).
+        let cache = self.request_headers.borrow();
         // Envoy's names are lower-case; a policy's may not be (Envoy's own lookup ignores case).
-        f(headers
-            .iter()
-            .find(|(key, _)| key.eq_ignore_ascii_case(name))
-            .map(|(_, value)| value.as_slice()))
+        f(cache.as_ref().and_then(|headers| {
+            headers
+                .iter()
+                .find(|(key, _)| key.eq_ignore_ascii_case(name))
+                .map(|(_, value)| value.as_slice())
+        }))
     }
 }
 

@@ -6,6 +6,7 @@
 //! `tollgate_core::key`, so no byte sequence can reach another tenant's bucket, and a key's size
 //! is bounded whatever the request carries.
 
+use std::borrow::Cow;
 use tollgate_core::identity::{api_key_digest, ip_from_forwarded_for, ip_from_socket_address};
 use tollgate_core::key::{escape_part_into, ANONYMOUS_PART};
 use tollgate_core::policy::{KeyPart, Policy};
@@ -23,14 +24,15 @@ pub trait RequestSource {
     fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
 }
 
-/// The request line facts every policy matches on.
+/// The request line facts every policy matches on, borrowed from the host's headers where
+/// it lets the filter read them in place (no copy per request).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RequestFacts {
-    pub method: String,
+pub struct RequestFacts<'a> {
+    pub method: Cow<'a, str>,
     /// Raw `:path` (query included; matching cuts it).
-    pub path: String,
+    pub path: Cow<'a, str>,
     /// `:authority` host, lower-case, without port.
-    pub host: String,
+    pub host: Cow<'a, str>,
 }
 
 /// The key of a policy for one request.
@@ -46,7 +48,7 @@ pub enum PolicyKey {
 pub fn build_key(
     policy: &Policy,
     route: Option<&str>,
-    facts: &RequestFacts,
+    facts: &RequestFacts<'_>,
     source: &impl RequestSource,
     anonymous: bool,
 ) -> PolicyKey {
@@ -168,7 +170,7 @@ mod tests {
         .unwrap()
     }
 
-    fn facts() -> RequestFacts {
+    fn facts() -> RequestFacts<'static> {
         RequestFacts {
             method: "GET".into(),
             path: "/items/42?x=1".into(),

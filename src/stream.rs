@@ -14,6 +14,7 @@ use crate::request::{RequestFacts, RequestSource};
 use crate::response_usage::ResponseUsage;
 use crate::shared::SharedData;
 use crate::worker::{no_room_reply, shaped_ids, Admitted, Host, Worker};
+use std::borrow::Cow;
 use tollgate_core::policy::authority_host;
 use tollgate_core::response::LocalReply;
 
@@ -92,22 +93,22 @@ impl Stream {
         host: &impl StreamHost,
         end_of_stream: bool,
     ) -> Flow {
-        // Each value becomes its String in the allocation the host's copy made (UTF-8 checked
-        // once; only invalid bytes cost a second copy, replaced).
-        let text = |name: &str| match host.header(name).map(String::from_utf8) {
-            Some(Ok(text)) => text,
-            Some(Err(e)) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
-            None => String::new(),
-        };
-        let facts = RequestFacts {
-            method: text(":method"),
-            path: text(":path"),
-            host: host.with_header(":authority", |v| {
-                authority_host(&String::from_utf8_lossy(v.unwrap_or_default()))
-            }),
-        };
+        // The request line read in place from the host's headers (only invalid UTF-8 or an
+        // upper-case host costs a copy).
         let engine = instance.engine();
-        let mut plan = engine.plan(&facts, host);
+        let mut plan = host.with_header(":method", |method| {
+            host.with_header(":path", |path| {
+                host.with_header(":authority", |authority| {
+                    let authority = request_text(authority);
+                    let facts = RequestFacts {
+                        method: request_text(method),
+                        path: request_text(path),
+                        host: authority_host(&authority),
+                    };
+                    engine.plan(&facts, host)
+                })
+            })
+        });
         if plan.is_empty() {
             return Flow::Continue;
         }
@@ -400,4 +401,9 @@ fn apply(
         }
         Err(error) => log::warn!("cannot settle a request (table {error:?})"),
     }
+}
+
+/// A header value as text, borrowed when it is valid UTF-8 (absent: empty).
+fn request_text(value: Option<&[u8]>) -> Cow<'_, str> {
+    String::from_utf8_lossy(value.unwrap_or_default())
 }

@@ -33,10 +33,11 @@ use std::collections::HashMap;
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use std::sync::Arc;
 use tollgate::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
 use tollgate::request::{RequestFacts, RequestSource};
 use tollgate::shared::MemorySharedData;
-use tollgate::table::SlotTable;
+use tollgate::table::{Cells, SlotTable};
 use tollgate_core::bucket::{give_back, lease, shape, try_take, BucketState, Limits, Shaped};
 use tollgate_core::key::{escape_part, join_parts, local_bucket_id};
 use tollgate_core::policy::Policies;
@@ -67,10 +68,10 @@ fn request(tenant: &str) -> Request {
     }
 }
 
-fn facts(path: &str) -> RequestFacts {
+fn facts(path: &str) -> RequestFacts<'static> {
     RequestFacts {
         method: "GET".into(),
-        path: path.into(),
+        path: path.to_string().into(),
         host: "api.example.com".into(),
     }
 }
@@ -281,63 +282,91 @@ fn keys(c: &mut Criterion) {
     g.finish();
 }
 
+/// An engine on a table of 4096 slots: records as shared-data bytes (the wasm build), or typed
+/// in process memory (`native`).
+fn engine(store: &MemorySharedData, policies: Policies, native: bool) -> Engine {
+    if !native {
+        return Engine::new(
+            policies,
+            SlotTable::open(store, SHARED_PREFIX, 4096, 7).unwrap(),
+        );
+    }
+    let engine = Engine::new(
+        policies,
+        SlotTable::open_salted(store, SHARED_PREFIX, 4096, 7).unwrap(),
+    );
+    let cells = Arc::new(Cells::new(engine.table().groups_needed()));
+    engine.keeping_records_in(cells).unwrap()
+}
+
 fn request_path(c: &mut Criterion) {
     let mut g = c.benchmark_group("request_path");
     let f = facts("/items/42");
     let tenants: Vec<Request> = (0..100).map(|t| request(&format!("tenant-{t}"))).collect();
 
-    let store = MemorySharedData::default();
-    let table = SlotTable::open(&store, SHARED_PREFIX, 4096, 7).unwrap();
-    let local = Engine::new(one_policy("local"), table);
+    // Each policy decided on the wasm build's table (records as bytes in shared data, here
+    // in-memory shared data with Envoy's CAS semantics) and on the native build's (`_native`:
+    // the same table with its records typed in process memory).
     let mut i = 0usize;
-    g.bench_function("local_policy_plan_decide", |b| {
-        b.iter(|| {
-            i = (i + 1) % tenants.len();
-            let plan = local.plan(&f, &tenants[i]);
-            let d = local.decide(&plan, &store, 10_000, Attempt::default());
-            assert_eq!(d.verdict, Verdict::Continue);
-            black_box(d)
-        })
-    });
-
-    let store = MemorySharedData::default();
-    let table = SlotTable::open(&store, SHARED_PREFIX, 4096, 7).unwrap();
-    let global = Engine::new(one_policy("global"), table);
-    for req in &tenants {
-        let plan = global.plan(&f, req);
-        let m = &plan.enforced[0];
-        let need = LeaseNeed {
-            policy: m.index,
-            key: m.key.clone(),
-            bucket_id: m.bucket_id.clone(),
-            min: 1,
-            want: 100,
-            demand_per_s: 100.0,
-            blocking: true,
-            asked_ms: 10_000,
-        };
-        let grant = LeaseGranted {
-            id: "bench".into(),
-            granted: 1_000_000_000,
-            remaining: 0.0,
-            retry_after_ms: 0,
-            expires_ms: 1_000_000_000,
-            share_per_s: 0.0,
-            period_ms: 0,
-        };
-        global
-            .credit(&store, &need, &grant, 1, 10_000, true)
-            .unwrap();
+    for (name, native) in [
+        ("local_policy_plan_decide", false),
+        ("local_policy_plan_decide_native", true),
+    ] {
+        let store = MemorySharedData::default();
+        let local = engine(&store, one_policy("local"), native);
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                i = (i + 1) % tenants.len();
+                let plan = local.plan(&f, &tenants[i]);
+                let d = local.decide(&plan, &store, 10_000, Attempt::default());
+                assert_eq!(d.verdict, Verdict::Continue);
+                black_box(d)
+            })
+        });
     }
-    g.bench_function("global_policy_lease_plan_decide", |b| {
-        b.iter(|| {
-            i = (i + 1) % tenants.len();
-            let plan = global.plan(&f, &tenants[i]);
-            let d = global.decide(&plan, &store, 10_000, Attempt::default());
-            assert_eq!(d.verdict, Verdict::Continue);
-            black_box(d)
-        })
-    });
+
+    for (name, native) in [
+        ("global_policy_lease_plan_decide", false),
+        ("global_policy_lease_plan_decide_native", true),
+    ] {
+        let store = MemorySharedData::default();
+        let global = engine(&store, one_policy("global"), native);
+        for req in &tenants {
+            let plan = global.plan(&f, req);
+            let m = &plan.enforced[0];
+            let need = LeaseNeed {
+                policy: m.index,
+                key: m.key.clone(),
+                bucket_id: m.bucket_id.clone(),
+                min: 1,
+                want: 100,
+                demand_per_s: 100.0,
+                blocking: true,
+                asked_ms: 10_000,
+            };
+            let grant = LeaseGranted {
+                id: "bench".into(),
+                granted: 1_000_000_000,
+                remaining: 0.0,
+                retry_after_ms: 0,
+                expires_ms: 1_000_000_000,
+                share_per_s: 0.0,
+                period_ms: 0,
+            };
+            global
+                .credit(&store, &need, &grant, 1, 10_000, true)
+                .unwrap();
+        }
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                i = (i + 1) % tenants.len();
+                let plan = global.plan(&f, &tenants[i]);
+                let d = global.decide(&plan, &store, 10_000, Attempt::default());
+                assert_eq!(d.verdict, Verdict::Continue);
+                black_box(d)
+            })
+        });
+    }
     // The anchor: a keyed check in `governor` over the same 100 tenants, always admitted (the
     // policies above are too: a billion units per second).
     let quota = governor::Quota::per_second(std::num::NonZeroU32::new(1_000_000_000).unwrap());
@@ -352,6 +381,8 @@ fn request_path(c: &mut Criterion) {
         })
     });
     let miss = facts("/orders/42");
+    let store = MemorySharedData::default();
+    let global = engine(&store, one_policy("global"), false);
     g.bench_function("no_policy_matches_plan", |b| {
         b.iter(|| black_box(global.plan(black_box(&miss), &tenants[0])))
     });

@@ -13,6 +13,7 @@ use crate::usage::FieldPath;
 use crate::window::{Window, MAX_LOG_LIMIT};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 
@@ -604,7 +605,7 @@ impl HostPattern {
 }
 
 /// Lower-cased host of an `:authority` value, without port.
-pub fn authority_host(authority: &str) -> String {
+pub fn authority_host(authority: &str) -> Cow<'_, str> {
     let authority = authority.trim();
     let host = if let Some(rest) = authority.strip_prefix('[') {
         rest.split(']').next().unwrap_or(rest)
@@ -617,7 +618,12 @@ pub fn authority_host(authority: &str) -> String {
             }
         })
     };
-    host.to_ascii_lowercase()
+    // Borrowed as it is when already lower-case (what clients send): no copy per request.
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(host)
+    }
 }
 
 /// One validated policy.

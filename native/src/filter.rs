@@ -142,11 +142,8 @@ pub fn after_panic(config: &NativeConfig, envoy: FilterEnvoyPtr) -> Flow {
             .map(|v| String::from_utf8_lossy(&v).into_owned())
             .unwrap_or_default()
     };
-    let (host, method, path) = (
-        authority_host(&text(":authority")),
-        text(":method"),
-        text(":path"),
-    );
+    let authority = text(":authority");
+    let (host, method, path) = (authority_host(&authority), text(":method"), text(":path"));
     let policies = &config.engine.policies.policies;
     let outcomes: Vec<(usize, PolicyOutcome)> = policies
         .iter()

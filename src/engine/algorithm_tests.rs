@@ -29,7 +29,7 @@ fn engine(extra: &str) -> (Engine, MemorySharedData) {
     )
 }
 
-fn facts() -> RequestFacts {
+fn facts() -> RequestFacts<'static> {
     RequestFacts {
         method: "GET".into(),
         path: "/".into(),

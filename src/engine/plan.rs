@@ -14,7 +14,7 @@ use tollgate_core::usage::{units_from_json, units_from_text};
 
 impl Engine {
     /// Matches policies and builds keys.
-    pub fn plan(&self, facts: &RequestFacts, source: &impl RequestSource) -> Plan {
+    pub fn plan(&self, facts: &RequestFacts<'_>, source: &impl RequestSource) -> Plan {
         let mut plan = Plan::default();
         for (index, policy) in self.policies.policies.iter().enumerate() {
             let Some(route) = policy.match_request(&facts.host, &facts.method, &facts.path) else {

@@ -26,7 +26,7 @@ fn req(headers: &[(&str, &str)]) -> Req {
         .collect())
 }
 
-fn facts() -> RequestFacts {
+fn facts() -> RequestFacts<'static> {
     RequestFacts {
         method: "POST".into(),
         path: "/v1/chat".into(),

@@ -26,10 +26,10 @@ fn tenant(id: &str) -> Req {
     req
 }
 
-fn facts(method: &str, path: &str) -> RequestFacts {
+fn facts(method: &str, path: &str) -> RequestFacts<'static> {
     RequestFacts {
-        method: method.into(),
-        path: path.into(),
+        method: method.to_string().into(),
+        path: path.to_string().into(),
         host: "api.example.com".into(),
     }
 }
@@ -37,7 +37,7 @@ fn facts(method: &str, path: &str) -> RequestFacts {
 /// Decides a fresh request (first attempt).
 fn eval(
     e: &Engine,
-    facts: &RequestFacts,
+    facts: &RequestFacts<'_>,
     req: &Req,
     store: &MemorySharedData,
     now: u64,
