@@ -10,12 +10,17 @@
 //! timing: the decisions run in microseconds each, and the figures are exact for the code
 //! built. Envoy keeps a 32-bit CAS stamp and its own map node per shared-data key besides:
 //! per group, not per key, and not counted here.
+//!
+//! The native build keeps the same records typed in process memory ([`Cells`]): the same
+//! decisions are made on such a table, and its bytes per key (each record's in-memory size
+//! plus its heap parts, the groups' fixed part apart) are reported beside.
 
 use serde_json::{json, Value};
+use std::sync::Arc;
 use tollgate::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
 use tollgate::request::{RequestFacts, RequestSource};
 use tollgate::shared::MemorySharedData;
-use tollgate::table::SlotTable;
+use tollgate::table::{Cells, SlotTable};
 use tollgate_core::policy::Policies;
 use tollgate_core::protocol::LeaseGranted;
 
@@ -48,12 +53,21 @@ pub struct Footprint {
     /// Shared-data keys and bytes after every key's decisions.
     pub entries: usize,
     pub total_bytes: usize,
+    /// The native build's typed cells after the same decisions: bytes of the records (their
+    /// size and heap parts), and of the groups before the first record.
+    pub native_bytes: usize,
+    pub native_fixed_bytes: usize,
 }
 
 impl Footprint {
     /// Everything held, fixed overhead included, per key.
     pub fn total_per_key(&self) -> f64 {
         self.total_bytes as f64 / self.keys.max(1) as f64
+    }
+
+    /// The native build's records, per key.
+    pub fn native_per_key(&self) -> f64 {
+        self.native_bytes as f64 / self.keys.max(1) as f64
     }
 
     /// What the keys added to the table, per key.
@@ -160,7 +174,18 @@ fn measure_case(case: &Case, keys: usize) -> Result<Footprint, String> {
     let table = SlotTable::open(&store, SHARED_PREFIX, slots, 7)
         .map_err(|e| fail(format!("table: {e:?}")))?;
     let (fixed_entries, fixed_bytes) = (store.entries(), store.bytes());
-    let engine = Engine::new(policies, table);
+    let engine = Engine::new(policies.clone(), table);
+    let native_store = MemorySharedData::default();
+    let native = Engine::new(
+        policies,
+        SlotTable::open_salted(&native_store, SHARED_PREFIX, slots, 7)
+            .map_err(|e| fail(format!("table: {e:?}")))?,
+    );
+    let cells = Arc::new(Cells::new(native.table().groups_needed()));
+    let native_fixed_bytes = cells.fixed_bytes();
+    let native = native
+        .keeping_records_in(cells.clone())
+        .map_err(|e| fail(format!("cells: {e:?}")))?;
     let facts = RequestFacts {
         method: "GET".into(),
         path: "/items/42".into(),
@@ -176,7 +201,15 @@ fn measure_case(case: &Case, keys: usize) -> Result<Footprint, String> {
         id_bytes += matched.bucket_id.len();
         for _ in 0..case.decisions {
             admit(&engine, &store, &plan, k).map_err(|e| fail(format!("key {k}: {e}")))?;
+            admit(&native, &native_store, &plan, k)
+                .map_err(|e| fail(format!("native, key {k}: {e}")))?;
         }
+    }
+    let (native_records, native_bytes) = cells.footprint();
+    if native_records != keys {
+        return Err(fail(format!(
+            "{native_records} native records for {keys} keys"
+        )));
     }
     Ok(Footprint {
         name: case.name.into(),
@@ -189,6 +222,8 @@ fn measure_case(case: &Case, keys: usize) -> Result<Footprint, String> {
         fixed_bytes,
         entries: store.entries(),
         total_bytes: store.bytes(),
+        native_bytes,
+        native_fixed_bytes,
     })
 }
 
@@ -258,23 +293,28 @@ pub fn markdown(footprints: &[Footprint]) -> String {
          one shared-data key per group, plus the salt): {fixed} bytes in {entries} keys before \
          the first request, whatever the number of keys. \"Added per key\" is what the keys \
          added to it; \"total per key\" counts the fixed part too. Each record holds its id \
-         (`<policy>:<key>`, here {id:.1} bytes on average).\n\n\
-         | policy | each key | added per key (bytes) | total per key (bytes) | shared-data keys after |\n\
-         |---|---|---:|---:|---:|\n",
+         (`<policy>:<key>`, here {id:.1} bytes on average). The native build keeps the same \
+         records typed in process memory instead: \"native per key\" is each record's size in \
+         memory plus its heap parts (id, log), after the same decisions; its groups take \
+         {native_fixed} bytes before the first record.\n\n\
+         | policy | each key | added per key (bytes) | total per key (bytes) | shared-data keys after | native per key (bytes) |\n\
+         |---|---|---:|---:|---:|---:|\n",
         keys = first.keys,
         slots = first.slots,
         fixed = first.fixed_bytes,
         entries = first.fixed_entries,
         id = first.id_bytes,
+        native_fixed = first.native_fixed_bytes,
     );
     for f in footprints {
         md.push_str(&format!(
-            "| {} | {} | {:.1} | {:.1} | {} |\n",
+            "| {} | {} | {:.1} | {:.1} | {} | {:.1} |\n",
             f.name,
             f.what,
             f.added_per_key(),
             f.total_per_key(),
-            f.entries
+            f.entries,
+            f.native_per_key()
         ));
     }
     md
@@ -297,6 +337,9 @@ pub fn json(footprints: &[Footprint]) -> Value {
             "total_bytes": f.total_bytes,
             "added_bytes_per_key": f.added_per_key(),
             "total_bytes_per_key": f.total_per_key(),
+            "native_bytes": f.native_bytes,
+            "native_fixed_bytes": f.native_fixed_bytes,
+            "native_bytes_per_key": f.native_per_key(),
         }))
         .collect::<Vec<_>>())
 }
