@@ -16,7 +16,10 @@ mod step;
 
 use crate::global::{self, DEADLINE_MARGIN_MS};
 use crate::shared::SharedData;
-use crate::table::{Cells, SlotTable, TableError};
+#[cfg(not(target_family = "wasm"))]
+use crate::table::Cells;
+use crate::table::{SlotTable, TableError};
+#[cfg(not(target_family = "wasm"))]
 use std::sync::Arc;
 use tollgate_core::policy::{LimiterSpec, Policies, Policy};
 use tollgate_core::response::LocalReply;
@@ -262,6 +265,7 @@ impl Engine {
     /// The same engine with its table's records kept typed in `cells` (see
     /// [`crate::table::Cells`]; sized by the table's `groups_needed`), for a host whose
     /// workers are threads of one process.
+    #[cfg(not(target_family = "wasm"))]
     pub fn keeping_records_in(mut self, cells: Arc<Cells>) -> Result<Self, TableError> {
         self.table = self.table.in_cells(cells)?;
         Ok(self)

@@ -56,13 +56,18 @@
 //! A slot holds one [`Record`]: the local token bucket of a (policy, key) and, for global
 //! policies, this instance's lease of the global budget with its bookkeeping.
 
+// Typed records in process memory: only a host whose workers are threads (the native build);
+// the .wasm does not carry it.
+#[cfg(not(target_family = "wasm"))]
 mod cells;
 mod hash;
 
+#[cfg(not(target_family = "wasm"))]
 pub use cells::Cells;
 
 use crate::shared::{SharedData, WriteError};
 use std::collections::BTreeMap;
+#[cfg(not(target_family = "wasm"))]
 use std::sync::Arc;
 use tollgate_core::bucket::BucketState;
 use tollgate_core::in_flight::{Slots, EPOCHS};
@@ -875,6 +880,7 @@ pub struct SlotTable {
     regions: BTreeMap<String, Region>,
     /// Where the records live when not in the shared-data store: typed, in process memory
     /// (a host whose workers are threads of one process).
+    #[cfg(not(target_family = "wasm"))]
     cells: Option<Arc<Cells>>,
 }
 
@@ -927,6 +933,7 @@ impl SlotTable {
             hash_key: hash::Key::from_salt(&salt),
             salt,
             regions: BTreeMap::new(),
+            #[cfg(not(target_family = "wasm"))]
             cells: None,
         })
     }
@@ -968,6 +975,7 @@ impl SlotTable {
     /// The same table with its records kept typed in `cells` (sized by
     /// [`SlotTable::groups_needed`]) instead of the shared-data store: see [`cells`]. The
     /// store still holds the salt. Cells with fewer groups than the table spans are refused.
+    #[cfg(not(target_family = "wasm"))]
     pub fn in_cells(mut self, cells: Arc<Cells>) -> Result<Self, TableError> {
         if cells.groups() < self.groups_needed() {
             return Err(TableError::Host);
@@ -1279,6 +1287,7 @@ impl SlotTable {
         decide: impl FnMut(&mut [Record]) -> Txn<T>,
         refund: impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<Transacted<T>, TableError> {
+        #[cfg(not(target_family = "wasm"))]
         if let Some(cells) = &self.cells {
             return self.transact_cells(cells, ids, now_ms, decide);
         }
