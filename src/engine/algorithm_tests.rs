@@ -339,3 +339,42 @@ fn a_quota_and_a_per_second_rate_on_one_key_are_all_or_nothing() {
     assert!(ask(&e, &store, feb1 + 1_000).is_ok());
     assert_eq!(denied_by(feb1 + 1_000).0, "monthly");
 }
+
+/// A global quota's admitted response says its units come back when the lease's window ends
+/// (the limiter's `expires_ms`: the first of next month), not at a token bucket's refill.
+#[test]
+fn a_global_quota_resets_when_its_window_lease_ends() {
+    let doc = r#"{"policies":[{"name":"monthly","key":[{"header":"x-tenant"}],
+        "algorithm":"fixed_window","rate":{"units":1000,"per":"1mo"},"scope":"global"}],
+        "limiter":{"cluster":"l","timeout":"25ms"},
+        "response":{"ratelimit_headers_on_allow":true}}"#;
+    let store = MemorySharedData::default();
+    let table = SlotTable::open(&store, SHARED_PREFIX, 64, 1).unwrap();
+    let e = Engine::new(Policies::from_json(doc.as_bytes()).unwrap(), table);
+    let plan = e.plan(&facts(), &Tenant("a"));
+    let now = midnight(2027, 1, 31);
+    let first = e.decide(&plan, &store, now, Attempt::default());
+    assert_eq!(first.verdict, Verdict::Wait);
+    // The limiter's answer: 10 units, spendable until the first of February (a day away).
+    let grant = tollgate_core::protocol::LeaseGranted {
+        id: "x".into(),
+        granted: 10,
+        remaining: 990.0,
+        retry_after_ms: 0,
+        expires_ms: 86_400_000,
+        share_per_s: 0.0,
+        period_ms: 0,
+    };
+    e.credit(&store, &first.needs[0], &grant, 1, now, true)
+        .unwrap();
+    let d = e.decide(&plan, &store, now + 1_000, Attempt::default());
+    assert_eq!(d.verdict, Verdict::Continue);
+    assert_eq!(
+        header(&d.response_headers, "ratelimit"),
+        r#""monthly";r=9;t=86399"#
+    );
+    assert_eq!(
+        header(&d.response_headers, "ratelimit-policy"),
+        r#""monthly";q=1000;w=2678400"#
+    );
+}

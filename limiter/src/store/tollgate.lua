@@ -27,7 +27,8 @@
 --                 a window's lease: g = 0 (nothing of it ever comes back), n = granted,
 --                 b = the window's state key, e = when the lease ends (ms, this server's
 --                 clock); s = 0, p = 0.
---   fixed window  <state> = string: the newest window index seen;
+--   fixed window  <state> = string: the newest window index seen (a calendar window's: its
+--                 week or month number on its grid, see `grid_index`);
 --                 <state>:w<index> = string: units counted in that window (INCRBY);
 --                 both expire WINDOW_TTL_MARGIN_MS after that window's end.
 --   sliding       <state> = hash { w = newest window index seen, c = its count,
