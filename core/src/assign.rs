@@ -27,7 +27,7 @@
 //! make room for it. A holding ends with its period, so an instance whose demand stops frees
 //! its share within one period. Work is bounded by [`MAX_HOLDERS`] per bucket.
 //!
-//! The Redis Function (`tollgate_v3_lease`) mirrors [`allot`] line by line; the limiter's
+//! The Redis Function (`tollgate_v4_lease`) mirrors [`allot`] line by line; the limiter's
 //! property test replays random calls on both and demands identical answers.
 
 use crate::bucket::{BucketState, Limits};

@@ -6,6 +6,7 @@
 //! document are reported together.
 
 use crate::bucket::Limits;
+use crate::calendar::RatePeriod;
 use crate::duration::Millis;
 use crate::key::{self, digest_hex, is_valid_policy_name};
 use crate::route::RouteTemplate;
@@ -271,7 +272,8 @@ pub enum OnMissingKey {
 #[serde(deny_unknown_fields)]
 pub struct RateSpec {
     pub units: u64,
-    pub per: Millis,
+    /// A duration, or (fixed windows only) a calendar period: `1w`, `1mo`, `1y`.
+    pub per: RatePeriod,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
@@ -637,6 +639,7 @@ pub struct Policy {
     pub key: Vec<KeyPart>,
     pub on_missing_key: OnMissingKey,
     pub units: u64,
+    /// `rate.per` in ms; a calendar period's longest window (see [`Policy::window_ms_at`]).
     pub per_ms: u64,
     pub burst: u64,
     pub limits: Limits,
@@ -684,6 +687,15 @@ impl Policy {
                 route: Some(route.as_str()),
                 cost: *cost,
             })
+    }
+
+    /// How long the policy's window at `now_ms` is (`RateLimit-Policy`'s `w`): `rate.per`,
+    /// or for a calendar period the window's own length (a month of 28 to 31 days).
+    pub fn window_ms_at(&self, now_ms: u64) -> u64 {
+        match self.algorithm.window() {
+            Some(w) if w.calendar.is_some() => w.length_ms_at(now_ms),
+            _ => self.per_ms,
+        }
     }
 
     /// Whether any key part needs the client's identity (as opposed to constants, route, method).
@@ -1001,8 +1013,22 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
             format!("must be between 1 and {MAX_UNITS}"),
         );
     }
-    if spec.rate.per.0 == 0 {
+    let per_ms = spec.rate.per.nominal_ms();
+    if per_ms == 0 {
         errors.push(name, at("rate.per"), "must be longer than 0ms");
+    }
+    if let (Some(calendar), false) = (
+        spec.rate.per.calendar(),
+        spec.algorithm == AlgorithmName::FixedWindow,
+    ) {
+        errors.push(
+            name,
+            at("rate.per"),
+            format!(
+                "a calendar period (`{calendar}`) counts fixed windows: set `algorithm: \
+                 fixed_window`, or state a duration (e.g. `30d`)"
+            ),
+        );
     }
     let windowed = spec.algorithm != AlgorithmName::TokenBucket;
     if windowed {
@@ -1090,7 +1116,7 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         }
     };
 
-    let limits = Limits::new(spec.rate.units, spec.rate.per.0, burst);
+    let limits = Limits::new(spec.rate.units, per_ms, burst);
     if errors.errors.len() > before {
         return None;
     }
@@ -1103,7 +1129,7 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         key,
         on_missing_key: spec.on_missing_key,
         units: spec.rate.units,
-        per_ms: spec.rate.per.0,
+        per_ms,
         burst,
         limits: limits?,
         scope: spec.scope,
@@ -1127,7 +1153,10 @@ fn compile_algorithm(
     name: Option<&str>,
     errors: &mut Collector,
 ) -> Option<Algorithm> {
-    let window = Window::new(spec.rate.units, spec.rate.per.0);
+    let window = match spec.rate.per {
+        RatePeriod::Duration(ms) => Window::new(spec.rate.units, ms.0),
+        RatePeriod::Calendar(c) => Window::calendar(spec.rate.units, c),
+    };
     let algorithm = match spec.algorithm {
         AlgorithmName::TokenBucket => return Some(Algorithm::TokenBucket),
         AlgorithmName::FixedWindow => Algorithm::FixedWindow(window?),

@@ -2,10 +2,11 @@
 //! window counter and a sliding log, each `limit` units per `window_ms`. Shared by the filter's
 //! local stage, the limiter's in-memory store and (mirrored line by line) its Redis Function.
 //!
-//! * **Fixed window**: one counter per window `⌊now / window⌋`; a new window starts from zero.
-//!   Constant state. Its boundary double burst: `limit` units at the end of one window and
-//!   `limit` more at the start of the next pass within a few milliseconds, so any rolling
-//!   window of length `window_ms` can hold up to `2 × limit`.
+//! * **Fixed window**: one counter per window `⌊now / window⌋`, or per window of a calendar
+//!   period (weeks, months, years: `calendar`); a new window starts from zero. Constant
+//!   state. Its boundary double burst: `limit` units at the end of one window and `limit` more
+//!   at the start of the next pass within a few milliseconds, so any rolling window of length
+//!   `window_ms` can hold up to `2 × limit`.
 //! * **Sliding window counter**: the current window's counter plus the previous window's,
 //!   weighted by the share of the previous window still inside the rolling window
 //!   (`count + previous × (1 − elapsed / window)`). Constant state (two counters). It is exact
@@ -45,31 +46,74 @@
 //! counts nothing and says how long to wait, and state idle for two windows equals a fresh one.
 
 use crate::bucket::Decision;
+use crate::calendar::Calendar;
 
 /// Largest limit a sliding log may have: its state holds one timestamp per unit.
 pub const MAX_LOG_LIMIT: u64 = 256;
 
-/// `limit` units per `window_ms` milliseconds.
+/// `limit` units per `window_ms` milliseconds, or per window of a calendar period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Window {
     pub limit: u64,
+    /// The window's length; a calendar window's longest ([`Calendar::longest_ms`]).
     pub window_ms: u64,
+    /// Windows of a calendar period (weeks, months, years: fixed windows only) instead of the
+    /// grid `⌊now / window_ms⌋`.
+    pub calendar: Option<Calendar>,
 }
 
 impl Window {
     /// `None` when either is zero.
     pub fn new(limit: u64, window_ms: u64) -> Option<Self> {
-        (limit > 0 && window_ms > 0).then_some(Self { limit, window_ms })
+        (limit > 0 && window_ms > 0).then_some(Self {
+            limit,
+            window_ms,
+            calendar: None,
+        })
+    }
+
+    /// `limit` units per window of `calendar`; `None` when `limit` is zero.
+    pub fn calendar(limit: u64, calendar: Calendar) -> Option<Self> {
+        (limit > 0).then_some(Self {
+            limit,
+            window_ms: calendar.longest_ms(),
+            calendar: Some(calendar),
+        })
     }
 
     /// The window `now_ms` falls in.
     pub fn index(&self, now_ms: u64) -> u64 {
-        now_ms / self.window_ms
+        match self.calendar {
+            None => now_ms / self.window_ms,
+            Some(c) => c.index(now_ms),
+        }
     }
 
-    /// When window `index` ends.
+    /// When window `index` starts.
+    pub fn start_ms(&self, index: u64) -> u64 {
+        match self.calendar {
+            None => index.saturating_mul(self.window_ms),
+            Some(c) => c.start_ms(index),
+        }
+    }
+
+    /// When window `index` ends (where the next one starts).
     pub fn end_ms(&self, index: u64) -> u64 {
-        index.saturating_add(1).saturating_mul(self.window_ms)
+        match self.calendar {
+            None => index.saturating_add(1).saturating_mul(self.window_ms),
+            Some(c) => c.end_ms(index),
+        }
+    }
+
+    /// How long the window `now_ms` falls in is (a calendar month: 28 to 31 days).
+    pub fn length_ms_at(&self, now_ms: u64) -> u64 {
+        match self.calendar {
+            None => self.window_ms,
+            Some(c) => {
+                let index = c.index(now_ms);
+                c.end_ms(index).saturating_sub(c.start_ms(index))
+            }
+        }
     }
 }
 
@@ -137,7 +181,7 @@ pub fn counted(kind: CounterKind, w: &Window, c: &Counters, now_ms: u64) -> f64 
     match kind {
         CounterKind::Fixed => c.count as f64,
         CounterKind::Sliding => {
-            let start = c.window.saturating_mul(w.window_ms);
+            let start = w.start_ms(c.window);
             let elapsed = now_ms.saturating_sub(start).min(w.window_ms) as f64;
             let weight = 1.0 - elapsed / w.window_ms as f64;
             c.count as f64 + c.previous as f64 * weight
@@ -147,7 +191,7 @@ pub fn counted(kind: CounterKind, w: &Window, c: &Counters, now_ms: u64) -> f64 
 
 /// Milliseconds from `now_ms` until `cost` more units fit (at least 1).
 fn wait_ms(kind: CounterKind, w: &Window, c: &Counters, now_ms: u64, cost: u64) -> u64 {
-    let window_start = c.window.saturating_mul(w.window_ms);
+    let window_start = w.start_ms(c.window);
     let next = w.end_ms(c.window);
     let at = match kind {
         CounterKind::Fixed => next,
@@ -382,6 +426,43 @@ mod tests {
         assert!(!take(CounterKind::Fixed, &w(), c, 1_001, 1).1.is_allowed());
         // A clock that went back counts in the newest window: nothing new to spend.
         assert!(!take(CounterKind::Fixed, &w(), c, 500, 1).1.is_allowed());
+    }
+
+    #[test]
+    fn a_monthly_quota_resets_at_the_first_of_the_month() {
+        use crate::calendar::DAY_MS;
+        // 2028-02-29 00:00 UTC (a leap day) and 2028-03-01 00:00 UTC.
+        let feb29 = crate::calendar::days_from_civil(2028, 2, 29) * DAY_MS;
+        let mar1 = feb29 + DAY_MS;
+        let w = Window::calendar(3, Calendar::Months(1)).unwrap();
+        assert_eq!(w.length_ms_at(feb29), 29 * DAY_MS);
+        assert_eq!(w.length_ms_at(mar1), 31 * DAY_MS);
+        let mut c = None;
+        for _ in 0..3 {
+            let (next, d) = take(CounterKind::Fixed, &w, c, feb29, 1);
+            assert!(d.is_allowed());
+            c = Some(next);
+        }
+        // Spent: a denial until the first of March, not 31 days after the window started.
+        let noon = feb29 + DAY_MS / 2;
+        let (_, d) = take(CounterKind::Fixed, &w, c, noon, 1);
+        assert_eq!(
+            d,
+            Decision::Denied {
+                retry_after_ms: mar1 - noon,
+                remaining: 0.0
+            }
+        );
+        let (_, d) = take(CounterKind::Fixed, &w, c, mar1 - 1, 1);
+        assert!(!d.is_allowed());
+        // March: a fresh window; idle state ends with February.
+        assert_eq!(c.unwrap().idle_at_ms(&w, false), mar1);
+        let (c2, d) = take(CounterKind::Fixed, &w, c, mar1, 3);
+        assert_eq!(d, Decision::Allowed { remaining: 0.0 });
+        assert_eq!(c2.window, c.unwrap().window + 1);
+        // A lease of February ends at its end.
+        let (_, g) = lease(CounterKind::Fixed, &w, None, noon, 1, 2);
+        assert_eq!((g.granted, g.expires_ms), (2, mar1 - noon));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! store) it starts the limiter in-process, drives `POST /v1/leases` (one lease per request,
 //! 10 000 tenants, fresh lease ids, want 10) over many keep-alive HTTP/1.1 connections for a
 //! few seconds, and prints leases/s with p50/p99 latency. Next to it, `redis-benchmark` runs
-//! the very `FCALL tollgate_v3_lease` the limiter issues (same library, same argument shapes)
+//! the very `FCALL tollgate_v4_lease` the limiter issues (same library, same argument shapes)
 //! with the same concurrency, and the ratio shows what the HTTP hop, JSON and validation cost.
 //!
 //! Then the transport Envoy uses, twice on the same store in the same run: HTTP/2 in plaintext
@@ -336,7 +336,7 @@ fn redis_benchmark(port: u16, cluster: bool, clients: usize, seconds: u64) -> Op
     // holder (the benchmark's requests name none), demand 0, no window.
     cmd.args([
         "FCALL",
-        "tollgate_v3_lease",
+        "tollgate_v4_lease",
         "2",
         &bucket,
         &record,

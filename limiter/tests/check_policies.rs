@@ -53,6 +53,32 @@ fn shipped_policies_pass_and_bad_ones_fail_with_fields() {
         out.contains("policy `checkout`: policies[0].rate.per:"),
         "{out}"
     );
+
+    // Calendar periods: fixed windows take them; other algorithms are refused, naming the field.
+    let calendar = dir.join("calendar.json");
+    std::fs::write(
+        &calendar,
+        r#"{"policies":[
+          {"name":"weekly","key":[{"header":"x"}],"algorithm":"fixed_window","rate":{"units":10,"per":"1w"}},
+          {"name":"quarterly","key":[{"header":"x"}],"algorithm":"fixed_window","rate":{"units":10,"per":"3mo"}},
+          {"name":"yearly","key":[{"header":"x"}],"algorithm":"fixed_window","rate":{"units":10,"per":"1y"}}]}"#,
+    )
+    .unwrap();
+    let (code, out) = run(&[calendar.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains(": ok: 3 policies"), "{out}");
+    let sliding = dir.join("sliding-month.json");
+    std::fs::write(
+        &sliding,
+        r#"{"policies":[{"name":"smooth","key":[{"header":"x"}],"algorithm":"sliding_window","rate":{"units":10,"per":"1mo"}}]}"#,
+    )
+    .unwrap();
+    let (code, out) = run(&[sliding.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("policy `smooth`: policies[0].rate.per: a calendar period (`1mo`)"),
+        "{out}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 
     // Serving still needs --policies; check-policies needs a file.

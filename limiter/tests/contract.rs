@@ -950,6 +950,46 @@ mod cases {
         }
     }
 
+    /// Calendar windows (a week from Monday, a month, a quarter, a year, UTC) on the store's
+    /// clock: a lease ends, and a denial waits, until the next calendar boundary (computed
+    /// here the slow way), exactly as core decides; the state is the calendar window's own,
+    /// apart from a fixed window of the same longest length (`31d` beside `1mo`).
+    pub async fn calendar_windows_end_at_calendar_boundaries(s: &impl Store) {
+        for policy in ["weekly", "monthly", "quarterly", "yearly"] {
+            let k = unique(policy);
+            let mut model = Model::of(policy);
+            let (t1, g) = window_lease(s, &mut model, lease("a", policy, &k, 2, 3)).await;
+            assert_eq!(g.granted, 3, "{policy}");
+            let ends = next_utc_boundary(policy, t1);
+            assert_eq!(
+                g.expires_ms,
+                Some(ends - t1),
+                "{policy}: the lease ends with it"
+            );
+            let (t2, g) = window_lease(s, &mut model, lease("b", policy, &k, 2, 9)).await;
+            assert_eq!(g.granted, 2, "{policy}");
+            let (t3, d) = window_lease(s, &mut model, lease("c", policy, &k, 1, 1)).await;
+            assert_eq!(
+                next_utc_boundary(policy, t3),
+                ends,
+                "{policy}: a calendar boundary passed while the case ran ({t1}, {t2}, {t3})"
+            );
+            assert_eq!((d.granted, d.remaining), (0, 0.0), "{policy}");
+            assert_eq!(d.retry_after_ms, ends - t3, "{policy}: until the boundary");
+        }
+        // A month and 31 days (the month's longest length) keep separate state.
+        let k = unique("month-vs-31d");
+        assert_eq!(one(s, lease("m", "monthly", &k, 5, 5)).await.granted, 5);
+        let days = LeaseItem {
+            algorithm: Algorithm::FixedWindow(
+                Window::new(5, window_of("monthly").window_ms).expect("window"),
+            ),
+            ..lease("d", "monthly", &k, 5, 5)
+        };
+        assert_eq!(one(s, days).await.granted, 5, "31d has a window of its own");
+        assert_eq!(one(s, lease("m2", "monthly", &k, 1, 1)).await.granted, 0);
+    }
+
     /// Malformed calls are refused as errors, never as decisions.
     pub async fn store_rejects_nothing_valid(s: &impl Store) {
         s.ready().await.expect("ready");
@@ -1106,6 +1146,11 @@ macro_rules! contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn groups_mix_windows_and_buckets() {
                 cases::groups_mix_windows_and_buckets(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn calendar_windows_end_at_calendar_boundaries() {
+                cases::calendar_windows_end_at_calendar_boundaries(&store().await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1413,6 +1458,90 @@ async fn redis_windows_count_on_the_newest_time_seen() {
         (d.granted, d.retry_after_ms),
         (0, w.window_ms),
         "a window after `seen`"
+    );
+}
+
+/// Redis-specific: calendar windows across a real boundary, on a `redis-server` whose clock
+/// is set seconds before 1 January 2029 00:00 UTC (a Monday: a week, a month, a quarter and a
+/// year end at that instant). Each window's limit is spent in 2028 and a denial waits for the
+/// boundary; past it each gives its limit again, until its next boundary (7, 31, 90 and 365
+/// days on), and every answer is core's at Redis' clock.
+#[cfg(feature = "e2e")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_calendar_windows_cross_the_new_year() {
+    use tollgate_e2e::{RedisOptions, RedisServer};
+    use tollgate_limiter::store::{fixed_count_key, WINDOW_TTL_MARGIN_MS};
+    const DAY: u64 = 86_400_000;
+    const NEW_YEAR_2029: u64 = 21_550 * DAY;
+    /// How far before the boundary Redis' clock starts: room to start it and load the library
+    /// on a loaded machine.
+    const LEAD_MS: u64 = 8_000;
+    let host_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64;
+    let offset = (NEW_YEAR_2029 - LEAD_MS) as i64 - host_now as i64;
+    let redis = tokio::task::block_in_place(|| {
+        RedisServer::start_with(RedisOptions {
+            env: tollgate_e2e::clock::offset_env(offset),
+            ..RedisOptions::default()
+        })
+    });
+    let s =
+        RedisStore::new(&redis.url(), &RedisSecurity::default(), settings()).expect("redis store");
+    until_ready(&s, "skewed redis store ready").await;
+    let policies = ["weekly", "monthly", "quarterly", "yearly"];
+    // One key for all four (lease ids carry the policy: a lease record is per key and id).
+    let k = unique("new-year");
+    let mut models: Vec<Model> = policies.iter().map(|p| Model::of(p)).collect();
+    let mut last = 0;
+    for (policy, model) in policies.iter().zip(&mut models) {
+        let (t, g) = window_lease(&s, model, lease(&format!("{policy}-a"), policy, &k, 5, 5)).await;
+        assert!(
+            t < NEW_YEAR_2029 - 500,
+            "Redis' clock passed the new year before the test could use it ({t})"
+        );
+        assert_eq!(next_utc_boundary(policy, t), NEW_YEAR_2029, "{policy}");
+        assert_eq!(
+            (g.granted, g.expires_ms),
+            (5, Some(NEW_YEAR_2029 - t)),
+            "{policy}"
+        );
+        let (t, d) = window_lease(&s, model, lease(&format!("{policy}-b"), policy, &k, 1, 1)).await;
+        assert_eq!(
+            (d.granted, d.retry_after_ms),
+            (0, NEW_YEAR_2029 - t),
+            "{policy}: until the new year"
+        );
+        last = t;
+    }
+    tokio::time::sleep(Duration::from_millis(NEW_YEAR_2029 - last + 5)).await;
+    for ((policy, model), days) in policies.iter().zip(&mut models).zip([7, 31, 90, 365]) {
+        let (t, g) = window_lease(&s, model, lease(&format!("{policy}-c"), policy, &k, 1, 9)).await;
+        assert!(t >= NEW_YEAR_2029, "{t}");
+        let ends = NEW_YEAR_2029 + days * DAY;
+        assert_eq!(next_utc_boundary(policy, t), ends, "{policy}");
+        assert_eq!(
+            (g.granted, g.expires_ms),
+            (5, Some(ends - t)),
+            "{policy}: a new window, to its own next boundary"
+        );
+    }
+    // The 2028 windows' state expires with 2028 (plus the margin) on Redis' clock; 2029's
+    // lives until its own end.
+    let state = lease("-", "monthly", &k, 1, 1).state_key();
+    assert!(state.ends_with("|fixed:1mo"), "{state}");
+    let pttl = |key: &str| redis.cmd(&["PTTL", key]).as_int().expect("PTTL");
+    let index_2029 = window_of("monthly").index(NEW_YEAR_2029);
+    let count_2029 = pttl(&fixed_count_key(&state, index_2029));
+    assert!(
+        count_2029 > (31 * DAY - 60_000) as i64 && count_2029 <= (31 * DAY + 1_000) as i64,
+        "{count_2029}"
+    );
+    let december = pttl(&fixed_count_key(&state, index_2029 - 1));
+    assert!(
+        december <= WINDOW_TTL_MARGIN_MS as i64,
+        "December's count expires with December, plus the margin: {december}"
     );
 }
 

@@ -60,8 +60,8 @@ async fn drain(addr: SocketAddr, policy: &str, key: &str) -> u64 {
 
 fn function_loaded(redis: &RedisServer) -> bool {
     redis
-        .cli(&["FUNCTION", "LIST", "LIBRARYNAME", "tollgate_v3"])
-        .contains("tollgate_v3_lease")
+        .cli(&["FUNCTION", "LIST", "LIBRARYNAME", "tollgate_v4"])
+        .contains("tollgate_v4_lease")
 }
 
 /// `FUNCTION FLUSH` under a running limiter: the next call finds its function missing, loads
@@ -93,14 +93,14 @@ async fn flushed_functions_lose_no_decision() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_library_is_replaced_at_start() {
     let redis = RedisServer::start();
-    let stale = "#!lua name=tollgate_v3\n\
-                 redis.register_function('tollgate_v3_ping', function() return 'stale' end)";
-    assert_eq!(redis.cli(&["FUNCTION", "LOAD", stale]), "tollgate_v3");
-    assert_eq!(redis.cli(&["FCALL", "tollgate_v3_ping", "0"]), "stale");
+    let stale = "#!lua name=tollgate_v4\n\
+                 redis.register_function('tollgate_v4_ping', function() return 'stale' end)";
+    assert_eq!(redis.cli(&["FUNCTION", "LOAD", stale]), "tollgate_v4");
+    assert_eq!(redis.cli(&["FCALL", "tollgate_v4_ping", "0"]), "stale");
     let limiter = start(StoreConfig::Redis(redis.url())).await;
     assert_eq!(
-        redis.cli(&["FCALL", "tollgate_v3_ping", "0"]),
-        "tollgate_v3"
+        redis.cli(&["FCALL", "tollgate_v4_ping", "0"]),
+        "tollgate_v4"
     );
     assert_eq!(
         lease_once(limiter.addr(), "tenant", &unique("fresh"), 1).await,

@@ -646,3 +646,79 @@ fn redis_functions_match_core_window_math() {
         assert!(*n > 0, "no {what} in {cases} cases: {seen:?}");
     }
 }
+
+/// The Redis Function's calendar arithmetic (`days_from_civil`, `civil_from_days`, and a
+/// calendar grid's window index, start and end) run by Redis' own Lua, against core's
+/// `Calendar`, for every period and thousands of times from 1970 to 2500: random ones, and
+/// the last and first millisecond of every month from 1970 to 2110 (leap years, 2100 that is
+/// not one, week and year ends among them). The functions are cut from `tollgate.lua` as they
+/// are and called from a small driver script.
+#[test]
+fn redis_calendar_arithmetic_matches_core() {
+    use tollgate_core::calendar::{days_from_civil, Calendar, DAY_MS};
+    const LIBRARY: &str = include_str!("../src/store/tollgate.lua");
+    let from = LIBRARY.find("local DAY_MS = ").expect("the calendar part");
+    let to = LIBRARY
+        .find("-- core: Counters::at")
+        .expect("the end of the grid functions");
+    let driver = format!(
+        "{}\nlocal out = {{}}\nfor i = 2, #ARGV do\n  local t = tonumber(ARGV[i])\n  \
+         local g = parse_grid(ARGV[1])\n  local index = grid_index(g, t)\n  \
+         out[#out + 1] = string.format('%d %d %d', index, grid_start(g, index), \
+         grid_end(g, index))\nend\nreturn out\n",
+        &LIBRARY[from..to]
+    );
+    let mut times: Vec<u64> = Vec::new();
+    for year in 1970..2110u64 {
+        for month in 1..=12u32 {
+            let first = days_from_civil(year, month, 1) * DAY_MS;
+            times.extend([first, first + 1, first + DAY_MS / 2]);
+            times.extend(first.checked_sub(1));
+        }
+    }
+    // A fixed sequence of pseudo-random times up to the year 2500 (xorshift).
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let end = days_from_civil(2500, 1, 1) * DAY_MS;
+    for _ in 0..3_000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        times.push(x % end);
+    }
+    let redis = shared_redis();
+    let mut checked = 0;
+    for (grid, calendar) in [
+        ("1w", Calendar::Weeks(1)),
+        ("2w", Calendar::Weeks(2)),
+        ("5w", Calendar::Weeks(5)),
+        ("52w", Calendar::Weeks(52)),
+        ("1mo", Calendar::Months(1)),
+        ("2mo", Calendar::Months(2)),
+        ("3mo", Calendar::Months(3)),
+        ("4mo", Calendar::Months(4)),
+        ("6mo", Calendar::Months(6)),
+        ("12mo", Calendar::Months(12)),
+    ] {
+        for chunk in times.chunks(1_000) {
+            let texts: Vec<String> = chunk.iter().map(u64::to_string).collect();
+            let mut args = vec!["EVAL", driver.as_str(), "0", grid];
+            args.extend(texts.iter().map(String::as_str));
+            let reply = redis.cmd(&args);
+            let rows = reply
+                .as_array()
+                .unwrap_or_else(|| panic!("{grid}: {reply:?}"));
+            assert_eq!(rows.len(), chunk.len(), "{grid}");
+            for (t, row) in chunk.iter().zip(rows) {
+                let index = calendar.index(*t);
+                let expected = format!(
+                    "{index} {} {}",
+                    calendar.start_ms(index),
+                    calendar.end_ms(index)
+                );
+                assert_eq!(row.as_str(), Some(expected.as_str()), "{grid} at {t}");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, times.len() * 10);
+}

@@ -192,7 +192,7 @@ impl Engine {
                     remaining,
                     retry_ms,
                     ..
-                } => Some(status(policy, *remaining, *retry_ms)),
+                } => Some(status(policy, *remaining, *retry_ms, now_ms)),
                 _ => None,
             })
             .collect();
@@ -304,7 +304,7 @@ impl Engine {
                 }
                 outcomes.push((m.index, *outcome));
                 if headers_on_allow {
-                    statuses.push(status(policy, *remaining, *reset_ms));
+                    statuses.push(status(policy, *remaining, *reset_ms, now_ms));
                 }
             }
         }
@@ -516,11 +516,18 @@ pub fn when_table_fails(policy: &Policy) -> Outcome {
     }
 }
 
-pub(super) fn status(policy: &Policy, remaining: f64, reset_ms: u64) -> PolicyStatus<'_> {
+/// What the rate-limit headers say of `policy` at `now_ms` (a calendar window's `w` is its own
+/// length: a month of 28 to 31 days).
+pub(super) fn status(
+    policy: &Policy,
+    remaining: f64,
+    reset_ms: u64,
+    now_ms: u64,
+) -> PolicyStatus<'_> {
     PolicyStatus {
         policy: &policy.name,
         units: policy.units,
-        per_ms: policy.per_ms,
+        per_ms: policy.window_ms_at(now_ms),
         remaining,
         reset_ms,
     }

@@ -191,13 +191,19 @@ impl Engine {
         let lease = &mut record.lease;
         if lease.tokens >= cost {
             let left = (lease.tokens - cost) as f64;
+            let reset_ms = match policy.algorithm {
+                // A fixed window is whole again when it ends, and its lease ends with it (a
+                // calendar month's at the first of the next month).
+                Algorithm::FixedWindow(_) => lease.expires_ms.saturating_sub(now_ms),
+                _ => policy
+                    .limits
+                    .millis_to_refill(policy.limits.capacity() - left),
+            };
             return Step::Allow {
                 spend: Spend::Lease(cost),
                 outcome: Outcome::Allowed,
                 remaining: left,
-                reset_ms: policy
-                    .limits
-                    .millis_to_refill(policy.limits.capacity() - left),
+                reset_ms,
                 delay_ms: 0,
             };
         }

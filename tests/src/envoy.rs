@@ -41,6 +41,8 @@ pub struct EnvoyOptions {
     pub extra_args: Vec<String>,
     /// How long to wait for admin `/ready` to say LIVE. Default 20 s.
     pub startup_timeout: Duration,
+    /// More environment, e.g. [`crate::clock::offset_env`] for a shifted wall clock.
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for EnvoyOptions {
@@ -52,6 +54,7 @@ impl Default for EnvoyOptions {
             log_level: "info".into(),
             extra_args: Vec::new(),
             startup_timeout: process::STARTUP_DEADLINE,
+            env: Vec::new(),
         }
     }
 }
@@ -81,6 +84,12 @@ impl EnvoyOptions {
 
     pub fn arg(mut self, arg: impl Into<String>) -> Self {
         self.extra_args.push(arg.into());
+        self
+    }
+
+    /// Runs Envoy with more environment (e.g. a shifted clock: [`crate::clock::offset_env`]).
+    pub fn envs(mut self, env: Vec<(String, String)>) -> Self {
+        self.env.extend(env);
         self
     }
 }
@@ -128,7 +137,8 @@ impl Envoy {
             .arg("50")
             .arg("-l")
             .arg(&opts.log_level)
-            .args(&opts.extra_args);
+            .args(&opts.extra_args)
+            .envs(opts.env.iter().map(|(k, v)| (k, v)));
         if opts.yaml.contains("envoy.filters.http.dynamic_modules") {
             // Where Envoy finds `lib<name>.so` of a dynamic module.
             cmd.env(

@@ -340,3 +340,66 @@ fn reserve_settle_and_in_flight_errors_name_the_field() {
         "{errors:?}"
     );
 }
+
+fn windowed(algorithm: &str, per: &str) -> String {
+    format!(
+        r#"{{"policies":[{{"name":"quota","key":[{{"header":"x-tenant-id"}}],"rate":{{"units":1000,"per":"{per}"}},"algorithm":"{algorithm}"}}]}}"#
+    )
+}
+
+#[test]
+fn fixed_windows_take_calendar_periods() {
+    use crate::calendar::{days_from_civil, Calendar, DAY_MS};
+    for (per, calendar) in [
+        ("1w", Calendar::Weeks(1)),
+        ("2w", Calendar::Weeks(2)),
+        ("1mo", Calendar::Months(1)),
+        ("3mo", Calendar::Months(3)),
+        ("1y", Calendar::Months(12)),
+    ] {
+        let policies = Policies::from_json(windowed("fixed_window", per).as_bytes())
+            .unwrap_or_else(|e| panic!("{per}: {e}"));
+        let p = &policies.policies[0];
+        let Algorithm::FixedWindow(w) = p.algorithm else {
+            panic!("{per}: {:?}", p.algorithm);
+        };
+        assert_eq!(w.calendar, Some(calendar), "{per}");
+        assert_eq!((w.limit, p.per_ms), (1000, calendar.longest_ms()), "{per}");
+    }
+    // `RateLimit-Policy`'s window is the current window's real length.
+    let monthly = Policies::from_json(windowed("fixed_window", "1mo").as_bytes()).unwrap();
+    let feb = days_from_civil(2027, 2, 10) * DAY_MS;
+    assert_eq!(monthly.policies[0].window_ms_at(feb), 28 * DAY_MS);
+    let daily = Policies::from_json(windowed("fixed_window", "1d").as_bytes()).unwrap();
+    assert_eq!(daily.policies[0].window_ms_at(feb), DAY_MS);
+}
+
+#[test]
+fn calendar_periods_are_refused_off_fixed_windows_naming_the_field() {
+    for algorithm in ["sliding_window", "sliding_log"] {
+        let errors = errors_of(&windowed(algorithm, "1mo"));
+        assert!(
+            errors.iter().any(|e| e.field == "policies[0].rate.per"
+                && e.reason.contains("fixed_window")
+                && e.policy.as_deref() == Some("quota")),
+            "{algorithm}: {errors:?}"
+        );
+    }
+    let errors = errors_of(&policy("").replace(r#""per":"1s""#, r#""per":"1w""#));
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].field, "policies[0].rate.per");
+    assert!(errors[0].reason.contains("`1w`"), "{errors:?}");
+    // Periods that are not calendar windows, named with the field.
+    for (per, reason) in [
+        ("5mo", "divides 12"),
+        ("2y", "one at a time"),
+        ("53w", "1w to 52w"),
+        ("0mo", "divides 12"),
+        ("1fortnight", "unknown unit"),
+    ] {
+        let errors = errors_of(&windowed("fixed_window", per));
+        assert_eq!(errors.len(), 1, "{per}: {errors:?}");
+        assert_eq!(errors[0].field, "policies[0].rate.per", "{per}");
+        assert!(errors[0].reason.contains(reason), "{per}: {errors:?}");
+    }
+}

@@ -354,7 +354,7 @@ impl RedisClusterStore {
         result.and_then(Value::extract_error)
     }
 
-    /// Loads (or replaces) the `tollgate_v3` library on every primary.
+    /// Loads (or replaces) the `tollgate_v4` library on every primary.
     async fn load_library(&self) -> Result<(), StoreError> {
         self.on_every_primary(script::load_cmd())
             .await

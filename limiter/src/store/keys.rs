@@ -14,11 +14,14 @@
 //! | state | key | type |
 //! | --- | --- | --- |
 //! | token bucket | `tollgate:{<tag>}:<policy>:<key>` | hash (`tollgate.lua`) |
-//! | fixed window: newest window seen | `…:<policy>:<key>\|fixed:<window_ms>` | string: window index |
-//! | fixed window: its count | `…\|fixed:<window_ms>:w<index>` | string (INCRBY) |
+//! | fixed window: newest window seen | `…:<policy>:<key>\|fixed:<grid>` | string: window index |
+//! | fixed window: its count | `…\|fixed:<grid>:w<index>` | string (INCRBY) |
 //! | sliding window counter | `…:<policy>:<key>\|sliding:<window_ms>` | hash `{w, c, p}` |
 //! | sliding log: units | `…:<policy>:<key>\|log:<window_ms>` | sorted set, score = time |
 //! | sliding log: newest time seen | `…\|log:<window_ms>:seen` | string: ms |
+//!
+//! `<grid>` is the window's length in ms, or a calendar period (`1w`, `1mo`, `12mo` for a year:
+//! [`window_grid`]), whose window index is a week or month number, not a multiple of a length.
 //!
 //! `|` is neither in a policy name nor in an escaped key part (nor in an escaped lease id), so
 //! a window's key can never be another bucket's or another window's. The keys derived from a
@@ -26,8 +29,10 @@
 //! state key it is given (the window index comes from Redis' clock), and share its hash tag,
 //! so its slot.
 
+use tollgate_core::calendar::Calendar;
 use tollgate_core::key::{escape_part, hash_tag};
 use tollgate_core::policy::Algorithm;
+use tollgate_core::window::Window;
 
 /// Prefix of every Redis key tollgate writes.
 pub const PREFIX: &str = "tollgate";
@@ -38,15 +43,26 @@ pub fn bucket_key(policy: &str, key: &str) -> String {
 }
 
 /// Redis key of the state `algorithm` keeps for (`policy`, `key`): the bucket
-/// ([`bucket_key`]) of a token bucket, `<bucket key>|<fixed|sliding|log>:<window_ms>` of a
-/// window.
+/// ([`bucket_key`]) of a token bucket, `<bucket key>|<fixed|sliding|log>:<grid>` of a
+/// window ([`window_grid`]).
 pub fn state_key(algorithm: &Algorithm, policy: &str, key: &str) -> String {
     let bucket = bucket_key(policy, key);
     match algorithm {
         Algorithm::TokenBucket => bucket,
-        Algorithm::FixedWindow(w) => format!("{bucket}|fixed:{}", w.window_ms),
-        Algorithm::SlidingWindow(w) => format!("{bucket}|sliding:{}", w.window_ms),
-        Algorithm::SlidingLog(w) => format!("{bucket}|log:{}", w.window_ms),
+        Algorithm::FixedWindow(w) => format!("{bucket}|fixed:{}", window_grid(w)),
+        Algorithm::SlidingWindow(w) => format!("{bucket}|sliding:{}", window_grid(w)),
+        Algorithm::SlidingLog(w) => format!("{bucket}|log:{}", window_grid(w)),
+    }
+}
+
+/// A window's grid as its state key and the Redis Function's window argument name it: its
+/// length in ms (`1000`), or its calendar period, `<n>w` (weeks from Monday) or `<n>mo`
+/// (months from January; a year is `12mo`).
+pub fn window_grid(w: &Window) -> String {
+    match w.calendar {
+        None => w.window_ms.to_string(),
+        Some(Calendar::Weeks(n)) => format!("{n}w"),
+        Some(Calendar::Months(n)) => format!("{n}mo"),
     }
 }
 
@@ -98,6 +114,11 @@ mod tests {
         let key = "acme:GET%20%2fa";
         let w = Window::new(10, 1_000).unwrap();
         let longer = Window::new(10, 60_000).unwrap();
+        // A month, and 31 days: the same longest length, other windows.
+        let month = Window::calendar(10, Calendar::Months(1)).unwrap();
+        let days = Window::new(10, month.window_ms).unwrap();
+        let year = Window::calendar(10, Calendar::Months(12)).unwrap();
+        let week = Window::calendar(10, Calendar::Weeks(1)).unwrap();
         let keys = [
             state_key(&Algorithm::TokenBucket, "p", key),
             state_key(&Algorithm::FixedWindow(w), "p", key),
@@ -106,6 +127,10 @@ mod tests {
             state_key(&Algorithm::FixedWindow(longer), "p", key),
             fixed_count_key(&state_key(&Algorithm::FixedWindow(w), "p", key), 1_700_000),
             log_seen_key(&state_key(&Algorithm::SlidingLog(w), "p", key)),
+            state_key(&Algorithm::FixedWindow(month), "p", key),
+            state_key(&Algorithm::FixedWindow(days), "p", key),
+            state_key(&Algorithm::FixedWindow(year), "p", key),
+            state_key(&Algorithm::FixedWindow(week), "p", key),
         ];
         assert_eq!(keys[0], bucket_key("p", key));
         assert_eq!(keys[1], "tollgate:{acme}:p:acme:GET%20%2fa|fixed:1000");
@@ -114,6 +139,13 @@ mod tests {
             "tollgate:{acme}:p:acme:GET%20%2fa|fixed:1000:w1700000"
         );
         assert_eq!(keys[6], "tollgate:{acme}:p:acme:GET%20%2fa|log:1000:seen");
+        assert_eq!(keys[7], "tollgate:{acme}:p:acme:GET%20%2fa|fixed:1mo");
+        assert_eq!(
+            keys[8],
+            "tollgate:{acme}:p:acme:GET%20%2fa|fixed:2678400000"
+        );
+        assert_eq!(keys[9], "tollgate:{acme}:p:acme:GET%20%2fa|fixed:12mo");
+        assert_eq!(keys[10], "tollgate:{acme}:p:acme:GET%20%2fa|fixed:1w");
         let distinct: std::collections::HashSet<&String> = keys.iter().collect();
         assert_eq!(distinct.len(), keys.len(), "{keys:?}");
         for k in &keys {

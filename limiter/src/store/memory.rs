@@ -457,7 +457,7 @@ impl MemoryStore {
         })
     }
 
-    /// The decision the Redis Function `tollgate_v3_lease` makes, line by line.
+    /// The decision the Redis Function `tollgate_v4_lease` makes, line by line.
     pub fn lease_at(&self, items: &[LeaseItem], now: u64) -> Result<LeaseOutcome, StoreError> {
         let mut inner = self.lock();
         inner.sweep(now);
@@ -639,7 +639,7 @@ impl MemoryStore {
         Some((state, expires_at.saturating_sub(now)))
     }
 
-    /// The decision the Redis Function `tollgate_v3_return` makes, line by line.
+    /// The decision the Redis Function `tollgate_v4_return` makes, line by line.
     pub fn give_back_at(&self, item: &ReturnItem, now: u64) -> ReturnOutcome {
         let mut inner = self.lock();
         inner.sweep(now);
@@ -993,5 +993,36 @@ mod tests {
         assert_eq!(store.give_back_at(&back, clock.now_ms()).returned, 0);
         let as_bucket = give("a", "t", Limits::new(10, 1_000, 10).unwrap(), 8);
         assert_eq!(store.give_back_at(&as_bucket, clock.now_ms()).returned, 0);
+    }
+
+    #[test]
+    fn a_monthly_window_ends_at_the_first_of_the_month_and_its_state_with_it() {
+        use tollgate_core::calendar::{days_from_civil, Calendar, DAY_MS};
+        let (store, clock) = store();
+        let monthly = Algorithm::FixedWindow(Window::calendar(10, Calendar::Months(1)).unwrap());
+        // 28 February 2027, 23:59:59: February (28 days) ends in a second.
+        let mar1 = days_from_civil(2027, 3, 1) * DAY_MS;
+        clock.set(mar1 - 1_000);
+        let lease = |id: &str, min, want| {
+            store
+                .lease_at(&[windowed(id, "t", monthly, min, want)], clock.now_ms())
+                .unwrap()
+                .grants[0]
+        };
+        let g = lease("a", 1, 10);
+        assert_eq!((g.granted, g.expires_ms), (10, Some(1_000)));
+        let d = lease("b", 1, 1);
+        assert_eq!((d.granted, d.retry_after_ms), (0, 1_000));
+        // Kept until February ends (plus the margin), under the calendar window's own key.
+        let key = windowed("-", "t", monthly, 1, 1).state_key();
+        assert!(key.ends_with("|fixed:1mo"), "{key}");
+        let (_, ttl) = store.window_view(&key).unwrap();
+        assert_eq!(ttl, 1_000 + crate::store::WINDOW_TTL_MARGIN_MS);
+        // March: 10 more, until the first of April, 31 days later.
+        clock.set(mar1);
+        let g = lease("c", 1, 10);
+        assert_eq!((g.granted, g.expires_ms), (10, Some(31 * DAY_MS)));
+        let d = lease("d", 1, 1);
+        assert_eq!(d.retry_after_ms, 31 * DAY_MS);
     }
 }

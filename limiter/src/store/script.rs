@@ -1,4 +1,4 @@
-//! The Rust side of the `tollgate_v3` Redis Function library (`tollgate.lua`): the library
+//! The Rust side of the `tollgate_v4` Redis Function library (`tollgate.lua`): the library
 //! source, how calls are encoded, how replies are decoded, and how Redis errors map onto
 //! [`StoreError`]. Shared by the single-node and the cluster store, so both speak the exact
 //! same contract.
@@ -15,10 +15,10 @@ use super::{
 /// The library source (`FUNCTION LOAD REPLACE`).
 pub const LIBRARY: &str = include_str!("tollgate.lua");
 /// Library name; carries the contract version.
-pub const LIBRARY_NAME: &str = "tollgate_v3";
-pub const LEASE_FN: &str = "tollgate_v3_lease";
-pub const RETURN_FN: &str = "tollgate_v3_return";
-pub const PING_FN: &str = "tollgate_v3_ping";
+pub const LIBRARY_NAME: &str = "tollgate_v4";
+pub const LEASE_FN: &str = "tollgate_v4_lease";
+pub const RETURN_FN: &str = "tollgate_v4_return";
+pub const PING_FN: &str = "tollgate_v4_ping";
 
 /// The algorithm as the library names it (the policy document's name).
 fn algorithm_arg(algorithm: &Algorithm) -> &'static str {
@@ -31,7 +31,7 @@ fn float_arg(x: f64) -> String {
     format!("{x:?}")
 }
 
-/// `FCALL tollgate_v3_lease` for one unit.
+/// `FCALL tollgate_v4_lease` for one unit.
 pub fn lease_cmd(items: &[LeaseItem], settings: &StoreSettings) -> Cmd {
     let mut cmd = redis::cmd("FCALL");
     cmd.arg(LEASE_FN).arg(items.len() * 2);
@@ -54,12 +54,16 @@ pub fn lease_cmd(items: &[LeaseItem], settings: &StoreSettings) -> Cmd {
             .arg(item.want)
             .arg(item.holder.as_deref().unwrap_or(""))
             .arg(float_arg(item.demand_per_ms))
-            .arg(item.algorithm.window().map_or(0, |w| w.window_ms));
+            .arg(
+                item.algorithm
+                    .window()
+                    .map_or_else(|| "0".to_string(), super::keys::window_grid),
+            );
     }
     cmd
 }
 
-/// `FCALL tollgate_v3_return` for one return.
+/// `FCALL tollgate_v4_return` for one return.
 pub fn return_cmd(item: &ReturnItem) -> Cmd {
     let mut cmd = redis::cmd("FCALL");
     cmd.arg(RETURN_FN)
@@ -73,7 +77,7 @@ pub fn return_cmd(item: &ReturnItem) -> Cmd {
     cmd
 }
 
-/// `FCALL_RO tollgate_v3_ping 0`.
+/// `FCALL_RO tollgate_v4_ping 0`.
 pub fn ping_cmd() -> Cmd {
     let mut cmd = redis::cmd("FCALL_RO");
     cmd.arg(PING_FN).arg(0);
@@ -377,8 +381,18 @@ mod tests {
             algorithm: Algorithm::SlidingLog(window),
             ..anonymous.clone()
         };
+        let monthly = tollgate_core::window::Window::calendar(
+            9,
+            tollgate_core::calendar::Calendar::Months(1),
+        )
+        .unwrap();
+        let calendar = LeaseItem {
+            id: "id-4".into(),
+            algorithm: Algorithm::FixedWindow(monthly),
+            ..anonymous.clone()
+        };
         let cmd = lease_cmd(
-            &[item, anonymous, windowed],
+            &[item, anonymous, windowed, calendar],
             &StoreSettings {
                 dedup_ttl_ms: 60_000,
                 assignment_period_ms: 1_000,
@@ -396,14 +410,16 @@ mod tests {
             args,
             [
                 "FCALL",
-                "tollgate_v3_lease",
-                "6",
+                "tollgate_v4_lease",
+                "8",
                 "tollgate:{acme}:p:acme",
                 "tollgate:{acme}:lease:id-1",
                 "tollgate:{acme}:p:acme",
                 "tollgate:{acme}:lease:id-2",
                 "tollgate:{acme}:p:acme|log:250",
                 "tollgate:{acme}:lease:id-3",
+                "tollgate:{acme}:p:acme|fixed:1mo",
+                "tollgate:{acme}:lease:id-4",
                 "60000",
                 "1000",
                 "2000",
@@ -430,7 +446,15 @@ mod tests {
                 "5",
                 "",
                 "0.0",
-                "250"
+                "250",
+                "fixed_window",
+                "9",
+                "0",
+                "1",
+                "5",
+                "",
+                "0.0",
+                "1mo"
             ]
         );
     }

@@ -3,7 +3,7 @@
 //! All callers share one multiplexed connection (redis-rs `ConnectionManager`): concurrent
 //! calls are pipelined on it, so throughput grows with concurrency without a pool, and the
 //! manager reconnects in the background after the connection drops. Every decision is one
-//! `FCALL` of the `tollgate_v3` library; when Redis answers that the function does not exist
+//! `FCALL` of the `tollgate_v4` library; when Redis answers that the function does not exist
 //! (restarted without persistence, `FUNCTION FLUSH`), the library is loaded again and the call
 //! retried once, so no decision is lost to it.
 //!
@@ -203,7 +203,7 @@ impl RedisStore {
         result
     }
 
-    /// Loads (or replaces) the `tollgate_v3` library, on a primary only.
+    /// Loads (or replaces) the `tollgate_v4` library, on a primary only.
     async fn load_library(&self) -> Result<(), StoreError> {
         self.query_primary(&script::load_cmd()).await.map(|_| ())
     }

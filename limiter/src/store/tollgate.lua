@@ -1,4 +1,4 @@
-#!lua name=tollgate_v3
+#!lua name=tollgate_v4
 --
 -- tollgate's atomic bucket and window transitions, as one Redis Function library
 -- (Redis >= 7.0).
@@ -27,7 +27,8 @@
 --                 a window's lease: g = 0 (nothing of it ever comes back), n = granted,
 --                 b = the window's state key, e = when the lease ends (ms, this server's
 --                 clock); s = 0, p = 0.
---   fixed window  <state> = string: the newest window index seen;
+--   fixed window  <state> = string: the newest window index seen (a calendar window's: its
+--                 week or month number on its grid, see `grid_index`);
 --                 <state>:w<index> = string: units counted in that window (INCRBY);
 --                 both expire WINDOW_TTL_MARGIN_MS after that window's end.
 --   sliding       <state> = hash { w = newest window index seen, c = its count,
@@ -49,7 +50,10 @@
 -- Work per call is bounded by the number of keys passed, MAX_HOLDERS per bucket and a
 -- window's limit (at most 256 units for a sliding log): no scans.
 -- The library name carries the contract version: a changed contract is a new library, so
--- the functions of both versions can be loaded in one Redis side by side. v3 added the
+-- the functions of both versions can be loaded in one Redis side by side. v4 added calendar
+-- windows (a fixed window's window argument `<n>w` or `<n>mo`, which a v3 library cannot
+-- read); its state and lease records are v3's, and v3 and v4 read each other's as they are
+-- (a calendar window's state key is its own: `store::keys::state_key`). v3 added the
 -- windows (a per-item algorithm, the window's expiry in the reply) and reads v2 buckets and
 -- lease records as they are; a v2 limiter reads v3 buckets and records as they are too
 -- (a window's lease record answers its grant and returns nothing). v2 changed the
@@ -320,16 +324,106 @@ local function read_bucket(key, now)
 end
 
 -- Windows (core: window.rs). Window indexes, ends and times are integers below 2^53, so
--- these doubles hold them exactly, and `math.floor(now / wms)` is the integer division.
+-- these doubles hold them exactly, and `math.floor(a / b)` is the integer division.
+-- A window's grid `g` is { ms = window length } or a calendar period (core: calendar.rs):
+-- { weeks = n } (n weeks from Monday 00:00 UTC, on the grid from Monday 1969-12-29) or
+-- { months = n } (n months from the first of a month 00:00 UTC, n dividing 12, from January:
+-- a year is 12 months), with the real lengths of the months.
 
--- core: Window::end_ms
-local function window_end(wms, index)
-  return (index + 1) * wms
+local DAY_MS = 86400000
+
+-- core: calendar::days_from_civil (days since 1970-01-01 of a date from the epoch on).
+local function days_from_civil(year, month, day)
+  local y = year
+  if month <= 2 then
+    y = y - 1
+  end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = month + 9
+  if month > 2 then
+    mp = month - 3
+  end
+  local doy = math.floor((153 * mp + 2) / 5) + day - 1
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+-- core: calendar::civil_from_days (the year and month of a day since 1970-01-01).
+local function civil_from_days(days)
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+    - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local month = mp - 9
+  if mp < 10 then
+    month = mp + 3
+  end
+  local year = yoe + era * 400
+  if month <= 2 then
+    year = year + 1
+  end
+  return year, month
+end
+
+-- The grid of an item's window argument: milliseconds (> 0), `<n>w` (1 <= n <= 52) or
+-- `<n>mo` (n dividing 12); nil if it is none of them.
+local function parse_grid(text)
+  local n, unit = string.match(text, '^(%d+)(%a+)$')
+  n = tonumber(n)
+  if unit == 'w' and n ~= nil and n >= 1 and n <= 52 then
+    return { weeks = n }
+  end
+  if unit == 'mo' and n ~= nil and n >= 1 and 12 % n == 0 then
+    return { months = n }
+  end
+  local ms = tonumber(text)
+  if unit == nil and ms ~= nil and ms >= 1 and ms == math.floor(ms) then
+    return { ms = ms }
+  end
+  return nil
+end
+
+-- core: Window::index (Calendar::index)
+local function grid_index(g, now)
+  if g.ms then
+    return math.floor(now / g.ms)
+  end
+  local days = math.floor(now / DAY_MS)
+  if g.weeks then
+    return math.floor((days + 3) / (7 * g.weeks))
+  end
+  local year, month = civil_from_days(days)
+  return math.floor(((year - 1970) * 12 + month - 1) / g.months)
+end
+
+-- core: Window::start_ms (Calendar::start_ms; the week grid's first window reads as 0)
+local function grid_start(g, index)
+  if g.ms then
+    return index * g.ms
+  end
+  if g.weeks then
+    local days = index * 7 * g.weeks - 3
+    if days < 0 then
+      days = 0
+    end
+    return days * DAY_MS
+  end
+  local months = index * g.months
+  return days_from_civil(1970 + math.floor(months / 12), months % 12 + 1, 1) * DAY_MS
+end
+
+-- core: Window::end_ms (where the next window starts)
+local function grid_end(g, index)
+  return grid_start(g, index + 1)
 end
 
 -- core: Counters::at (a clock that went back counts in the newest window seen).
-local function counters_at(wms, c, now)
-  local index = math.floor(now / wms)
+local function counters_at(g, c, now)
+  local index = grid_index(g, now)
   if index <= c.window then
     return { window = c.window, count = c.count, previous = c.previous }
   end
@@ -341,11 +435,12 @@ local function counters_at(wms, c, now)
 end
 
 -- core: window::counted
-local function counted(kind, wms, c, now)
+local function counted(kind, g, c, now)
   if kind == 'fixed_window' then
     return c.count
   end
-  local start = c.window * wms
+  local wms = g.ms
+  local start = grid_start(g, c.window)
   local elapsed = now - start
   if elapsed < 0 then
     elapsed = 0
@@ -372,9 +467,10 @@ local function fraction_ms(x, wm)
 end
 
 -- core: window::wait_ms (milliseconds from `now` until `cost` more units fit, at least 1).
-local function counter_wait(kind, limit, wms, c, now, cost)
-  local window_start = c.window * wms
-  local next_start = window_end(wms, c.window)
+local function counter_wait(kind, limit, g, c, now, cost)
+  local wms = g.ms
+  local window_start = grid_start(g, c.window)
+  local next_start = grid_end(g, c.window)
   local at
   if kind == 'fixed_window' then
     at = next_start
@@ -400,8 +496,8 @@ local function counter_wait(kind, limit, wms, c, now, cost)
 end
 
 -- core: the `room` of window::lease.
-local function counter_room(kind, limit, wms, c, now)
-  local room = math.floor(limit - counted(kind, wms, c, now) + 1e-9)
+local function counter_room(kind, limit, g, c, now)
+  local room = math.floor(limit - counted(kind, g, c, now) + 1e-9)
   if room < 0 then
     room = 0
   end
@@ -433,8 +529,9 @@ end
 
 -- A window's state, moved to `now`: counters (`start`, and `c` as the call's items leave
 -- them) or a log (trimmed here: `stored` units, `seen`, and `added` units to record).
-local function read_window(kind, key, limit, wms, now)
-  local w = { kind = kind, key = key, limit = limit, wms = wms }
+local function read_window(kind, key, limit, g, now)
+  local w = { kind = kind, key = key, limit = limit, grid = g, wms = g.ms }
+  local wms = g.ms
   if kind == 'sliding_log' then
     -- core: Log::trim (the log's clock never goes back; a unit counts for one window from
     -- its time).
@@ -446,7 +543,7 @@ local function read_window(kind, key, limit, wms, now)
     w.seen = seen
     -- core: Log::lease_end_ms (a lease granted now ends, and its units are entered, at the
     -- end of the window-grid slot of the log's clock: later than every stored unit).
-    w.ends = window_end(wms, math.floor(seen / wms))
+    w.ends = grid_end(g, grid_index(g, seen))
     w.stored = redis.call('ZCARD', key)
     w.added = 0
     return w
@@ -466,7 +563,7 @@ local function read_window(kind, key, limit, wms, now)
     c = { window = tonumber(f[1]) or 0, count = tonumber(f[2]) or 0,
           previous = tonumber(f[3]) or 0 }
   end
-  w.start = counters_at(wms, c, now)
+  w.start = counters_at(g, c, now)
   w.c = { window = w.start.window, count = w.start.count, previous = w.start.previous }
   return w
 end
@@ -495,13 +592,13 @@ local function window_lease(w, now, min, want)
     return granted, room - granted, 0, expires
   end
   local c = w.c
-  local room = counter_room(w.kind, w.limit, w.wms, c, now)
-  local expires = window_end(w.wms, c.window) - now
+  local room = counter_room(w.kind, w.limit, w.grid, c, now)
+  local expires = grid_end(w.grid, c.window) - now
   if expires < 1 then
     expires = 1
   end
   if room < min then
-    return 0, room, counter_wait(w.kind, w.limit, w.wms, c, now, min), expires
+    return 0, room, counter_wait(w.kind, w.limit, w.grid, c, now, min), expires
   end
   local granted = math.min(math.max(want, min), room)
   c.count = c.count + granted
@@ -517,7 +614,7 @@ local function window_start_room(w, now)
     end
     return room
   end
-  return counter_room(w.kind, w.limit, w.wms, w.start, now)
+  return counter_room(w.kind, w.limit, w.grid, w.start, now)
 end
 
 -- limiter: store::window_ttl_ms, as the absolute time (ms, this server's clock) the state
@@ -572,7 +669,7 @@ local function write_window(w, now, apply)
   end
   if w.kind == 'fixed_window' then
     -- core: Counters::idle_at_ms (fixed): the end of its window.
-    local at = fmt(window_expires_at(window_end(w.wms, c.window), now))
+    local at = fmt(window_expires_at(grid_end(w.grid, c.window), now))
     if w.stored_window ~= c.window then
       redis.call('SET', key, fmt(c.window), 'PXAT', at)
     end
@@ -587,7 +684,7 @@ local function write_window(w, now, apply)
   end
   redis.call('HSET', key, 'w', fmt(c.window), 'c', fmt(c.count), 'p', fmt(c.previous))
   -- core: Counters::idle_at_ms (sliding): the end of the window after its own.
-  redis.call('PEXPIREAT', key, fmt(window_expires_at(window_end(w.wms, c.window + 1), now)))
+  redis.call('PEXPIREAT', key, fmt(window_expires_at(grid_end(w.grid, c.window + 1), now)))
 end
 
 local function expire(key, ttl)
@@ -598,7 +695,7 @@ local function expire(key, ttl)
   end
 end
 
--- tollgate_v3_lease: decide N lease items, all-or-nothing, once per lease id.
+-- tollgate_v4_lease: decide N lease items, all-or-nothing, once per lease id.
 --   KEYS  2 per item i: KEYS[2i-1] = the item's state key (its bucket, or its window's state
 --         key: `store::keys::state_key`), KEYS[2i] = lease record key (one slot).
 --   ARGV  [1] = lease record TTL in ms (> 0), [2] = assignment period in ms (> 0),
@@ -607,7 +704,10 @@ end
 --         'fixed_window', 'sliding_window' or 'sliding_log'), capacity (a bucket's, %.17g;
 --         a window's limit), refill per ms (a bucket's, %.17g; 0 for a window), min, want,
 --         holder ('' = none: leases only; a window ignores it), demand per ms (%.17g, >= 0;
---         a window ignores it), window ms (a window's, > 0; 0 for a bucket).
+--         a window ignores it), window (a window's: its length in ms, > 0, or for a
+--         fixed window a calendar period, `<n>w` (n weeks, 1 to 52, from Monday 00:00 UTC)
+--         or `<n>mo` (n months, n dividing 12, from January; a year is `12mo`); 0 for a
+--         bucket; anything else is refused as a bad window).
 --   An item whose record exists is a replay: it answers from the record and takes nothing.
 --   The other items are decided in order, a bucket's by `allot`, a window's by the window
 --   lease of its algorithm (a later item sees the earlier ones' takings and holdings). All or
@@ -625,7 +725,7 @@ end
 local function lease_fn(keys, args)
   local n = #keys / 2
   if n < 1 or n ~= math.floor(n) or #args ~= 3 + 8 * n then
-    return redis.error_reply('ERR tollgate_v3_lease: bad KEYS/ARGV count')
+    return redis.error_reply('ERR tollgate_v4_lease: bad KEYS/ARGV count')
   end
   local record_ttl = tonumber(args[1])
   local period = tonumber(args[2])
@@ -685,7 +785,11 @@ local function lease_fn(keys, args)
     elseif kind == 'fixed_window' or kind == 'sliding_window' or kind == 'sliding_log' then
       local w = windows[key]
       if w == nil then
-        w = read_window(kind, key, cap, tonumber(args[b + 7]), now)
+        local grid = parse_grid(args[b + 7])
+        if grid == nil or (grid.ms == nil and kind ~= 'fixed_window') then
+          return redis.error_reply('ERR tollgate_v4_lease: bad window')
+        end
+        w = read_window(kind, key, cap, grid, now)
         windows[key] = w
         window_order[#window_order + 1] = key
       end
@@ -693,7 +797,7 @@ local function lease_fn(keys, args)
         window_lease(w, now, tonumber(args[b + 3]), tonumber(args[b + 4]))
       decided[i] = { granted, remaining, retry, key, 0, 0, expires }
     else
-      return redis.error_reply('ERR tollgate_v3_lease: unknown algorithm')
+      return redis.error_reply('ERR tollgate_v4_lease: unknown algorithm')
     end
   end
 
@@ -777,9 +881,9 @@ local function lease_fn(keys, args)
   return reply
 end
 
--- tollgate_v3_return: give back unused tokens of one lease, at most once per token.
+-- tollgate_v4_return: give back unused tokens of one lease, at most once per token.
 --   KEYS  [1] = bucket key, [2] = lease record key (one slot).
---   ARGV  [1] = the policy's algorithm (as in tollgate_v3_lease), [2] = capacity,
+--   ARGV  [1] = the policy's algorithm (as in tollgate_v4_lease), [2] = capacity,
 --         [3] = refill per ms (%.17g), [4] = unused (integer >= 0).
 --   Gives back min(unused, taken - returned so far), added to the content even below zero
 --   (core: assign::give_back), never above capacity; an unknown or expired lease id, one
@@ -789,7 +893,7 @@ end
 --   Returns { now_ms, returned (integer) }.
 local function return_fn(keys, args)
   if #keys ~= 2 or #args ~= 4 then
-    return redis.error_reply('ERR tollgate_v3_return: bad KEYS/ARGV count')
+    return redis.error_reply('ERR tollgate_v4_return: bad KEYS/ARGV count')
   end
   local now = now_ms()
   if args[1] ~= 'token_bucket' then
@@ -814,15 +918,15 @@ local function return_fn(keys, args)
   return { now, amount }
 end
 
--- tollgate_v3_ping: KEYS none, ARGV none. Returns the library name; proves it is loaded.
+-- tollgate_v4_ping: KEYS none, ARGV none. Returns the library name; proves it is loaded.
 local function ping_fn()
-  return 'tollgate_v3'
+  return 'tollgate_v4'
 end
 
-redis.register_function('tollgate_v3_lease', lease_fn)
-redis.register_function('tollgate_v3_return', return_fn)
+redis.register_function('tollgate_v4_lease', lease_fn)
+redis.register_function('tollgate_v4_return', return_fn)
 redis.register_function {
-  function_name = 'tollgate_v3_ping',
+  function_name = 'tollgate_v4_ping',
   callback = ping_fn,
   flags = { 'no-writes' },
 }

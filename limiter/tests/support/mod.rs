@@ -29,7 +29,8 @@ use tollgate_limiter::{serve, Running, ServerConfig, StoreConfig};
 /// Policies every test uses. "Negligible refill" policies refill 1 unit per hour, so a test
 /// lasting seconds sees at most a thousandth of a token come back. The windowed ones: 10 per
 /// 200 ms windows (`fixed`, `sliding`, `log`) for boundaries, and windows of a day (`*-day`,
-/// `route-fixed`) that a test lasting seconds almost never sees end.
+/// `route-fixed`) that a test lasting seconds almost never sees end; calendar windows of 5 per
+/// week, month, quarter and year (`weekly`, `monthly`, `quarterly`, `yearly`).
 pub const DOC: &str = r#"{
   "policies": [
     {"name": "hundred", "key": [{"header": "x-tenant"}], "rate": {"units": 1, "per": "1h"},
@@ -61,7 +62,15 @@ pub const DOC: &str = r#"{
     {"name": "log-day", "key": [{"header": "x-tenant"}], "algorithm": "sliding_log",
      "rate": {"units": 100, "per": "1d"}, "scope": "global"},
     {"name": "route-fixed", "key": [{"header": "x-tenant"}, {"header": "x-route"}],
-     "algorithm": "fixed_window", "rate": {"units": 3, "per": "1d"}, "scope": "global"}
+     "algorithm": "fixed_window", "rate": {"units": 3, "per": "1d"}, "scope": "global"},
+    {"name": "weekly", "key": [{"header": "x-tenant"}], "algorithm": "fixed_window",
+     "rate": {"units": 5, "per": "1w"}, "scope": "global"},
+    {"name": "monthly", "key": [{"header": "x-tenant"}], "algorithm": "fixed_window",
+     "rate": {"units": 5, "per": "1mo"}, "scope": "global"},
+    {"name": "quarterly", "key": [{"header": "x-tenant"}], "algorithm": "fixed_window",
+     "rate": {"units": 5, "per": "3mo"}, "scope": "global"},
+    {"name": "yearly", "key": [{"header": "x-tenant"}], "algorithm": "fixed_window",
+     "rate": {"units": 5, "per": "1y"}, "scope": "global"}
   ],
   "limiter": {"cluster": "tollgate_limiter"}
 }"#;
@@ -821,5 +830,44 @@ impl StallProxy {
 impl Drop for StallProxy {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// When the calendar window of `policy` (`weekly`, `monthly`, `quarterly`, `yearly`) holding
+/// `t_ms` ends, counted the slow way, independently of tollgate-core: the next Monday 00:00
+/// UTC, or the first of the next month, quarter or year, found by adding up the lengths of
+/// years and months from 1970.
+pub fn next_utc_boundary(policy: &str, t_ms: u64) -> u64 {
+    const DAY: u64 = 86_400_000;
+    let leap = |y: u64| (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let month_days = |y: u64, m: u64| match m {
+        2 if leap(y) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    };
+    let days = t_ms / DAY;
+    if policy == "weekly" {
+        // 1970-01-01 was a Thursday: Monday is 3 days before it.
+        let since_monday = (days + 3) % 7;
+        return (days - since_monday + 7) * DAY;
+    }
+    let every = match policy {
+        "monthly" => 1,
+        "quarterly" => 3,
+        "yearly" => 12,
+        other => panic!("{other} is not a calendar test policy"),
+    };
+    // The first of each month from 1970 on, until one lies past `t_ms` on the grid.
+    let (mut year, mut month, mut start) = (1970u64, 1u64, 0u64);
+    loop {
+        if start > t_ms && (month - 1) % every == 0 {
+            return start;
+        }
+        start += month_days(year, month) * DAY;
+        month += 1;
+        if month == 13 {
+            (year, month) = (year + 1, 1);
+        }
     }
 }
