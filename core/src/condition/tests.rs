@@ -420,3 +420,40 @@ fn every_bad_condition_is_reported_and_their_number_is_bounded() {
     let (field, _) = error_of(&format!("[{many}]"));
     assert_eq!(field, "policies[0].when");
 }
+
+#[test]
+fn the_readme_example_loads_and_decides_as_it_says() {
+    let readme = include_str!("../../../README.md");
+    let section = readme
+        .split("### Conditions (`when`)")
+        .nth(1)
+        .expect("README has a Conditions section");
+    let json = section
+        .split("```json\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("the section opens with a JSON example");
+    let policies = Policies::from_json(json.as_bytes()).unwrap();
+    let [free, pro] = &policies.policies[..] else {
+        panic!("two policies")
+    };
+    assert_eq!((free.burst, pro.burst), (2, 5));
+    assert!(free.when[0].test.holds(Some(b"free")));
+    // Tested cheapest first: the route parameter, the header, then the address.
+    let facts: Vec<&Fact> = pro.when.iter().map(|c| &c.fact).collect();
+    assert!(matches!(
+        facts[..],
+        [
+            Fact::PathParam { .. },
+            Fact::Header(_),
+            Fact::ClientIp { .. }
+        ]
+    ));
+    assert!(pro.when[0].test.holds(Some(b"123456789012")));
+    assert!(!pro.when[0].test.holds(Some(b"1234567890123")));
+    assert!(pro.when[1].test.holds(Some(b"team")));
+    assert!(pro.when[2].test.holds_ip(Some("10.2.3.4".parse().unwrap())));
+    assert!(!pro.when[2]
+        .test
+        .holds_ip(Some("192.0.2.1".parse().unwrap())));
+}
