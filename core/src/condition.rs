@@ -325,9 +325,12 @@ fn compile_fact(
     let name = spec.path_param.as_deref().unwrap_or_default();
     let positions: Vec<Option<usize>> = routes.iter().map(|r| r.param_position(name)).collect();
     if positions.iter().all(Option::is_none) {
-        let mut defined: Vec<&str> = routes.iter().flat_map(RouteTemplate::param_names).collect();
-        defined.sort_unstable();
-        defined.dedup();
+        let mut defined: Vec<&str> = Vec::new();
+        for name in routes.iter().flat_map(RouteTemplate::param_names) {
+            if !defined.contains(&name) {
+                defined.push(name);
+            }
+        }
         let reason = if routes.is_empty() {
             format!("`{name}`: a path parameter needs `match.routes` with a `{{{name}}}` segment")
         } else if defined.is_empty() {
@@ -433,12 +436,15 @@ fn compile_in(
     if list.len() > MAX_SET {
         return Err((".in".into(), format!("at most {MAX_SET} values")));
     }
-    let mut set = Vec::with_capacity(list.len());
+    // Sorted by insertion, duplicates dropped (at load; a slice sort would add ~10 KB of
+    // .wasm for this one type).
+    let mut set: Vec<Box<[u8]>> = Vec::with_capacity(list.len());
     for (i, text) in list.iter().enumerate() {
-        set.push(value(&format!(".in[{i}]"), text)?);
+        let item = value(&format!(".in[{i}]"), text)?;
+        if let Err(at) = set.binary_search(&item) {
+            set.insert(at, item);
+        }
     }
-    set.sort_unstable();
-    set.dedup();
     Ok(Test::In(set))
 }
 

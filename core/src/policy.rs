@@ -1137,9 +1137,18 @@ fn compile_when(
         }
     }
     // All must hold: the cheapest are tested first (borrowed request-line facts, then a
-    // header, then what the host hands over as a copy).
-    when.sort_by_key(|c| condition::cost_rank(&c.fact));
-    when
+    // header, then what the host hands over as a copy), in document order within a rank (at
+    // most 16: an insertion keeps it simple, and small in the .wasm).
+    let mut ordered: Vec<Condition> = Vec::with_capacity(when.len());
+    for c in when {
+        let rank = condition::cost_rank(&c.fact);
+        let at = ordered
+            .iter()
+            .position(|o| condition::cost_rank(&o.fact) > rank)
+            .unwrap_or(ordered.len());
+        ordered.insert(at, c);
+    }
+    ordered
 }
 
 const MAX_SHAPE_DELAY_MS: u64 = 30_000;
