@@ -1,15 +1,20 @@
-//! What the filter reads from a request, and how a policy's key is built from it.
+//! What the filter reads from a request, how a policy's key is built from it, and whether the
+//! policy's `when` conditions hold.
 //!
-//! Only trusted data becomes a key: the configured header, the verified JWT claim from
-//! `jwt_authn` metadata, the socket peer (or the configured hop of `X-Forwarded-For`), a digest
-//! of the API key, the matched route *template*. Every part is escaped or digested by
+//! Only trusted data becomes a key or decides a condition: the configured header, the verified
+//! JWT claim from `jwt_authn` metadata, the socket peer (or the configured hop of
+//! `X-Forwarded-For`), a digest of the API key, the matched route *template* (and, for a
+//! condition, the value of one of its parameters). Every part is escaped or digested by
 //! `tollgate_core::key`, so no byte sequence can reach another tenant's bucket, and a key's size
 //! is bounded whatever the request carries.
 
 use std::borrow::Cow;
+use std::net::IpAddr;
+use tollgate_core::condition::Fact;
 use tollgate_core::identity::{api_key_digest, ip_from_forwarded_for, ip_from_socket_address};
 use tollgate_core::key::{escape_part_into, ANONYMOUS_PART};
-use tollgate_core::policy::{KeyPart, Policy};
+use tollgate_core::policy::{KeyPart, Policy, RouteMatch};
+use tollgate_core::route::path_segment;
 
 /// Read access to the request being decided.
 pub trait RequestSource {
@@ -71,26 +76,9 @@ pub fn build_key(
                 let path: Vec<&str> = path.iter().map(String::as_str).collect();
                 escaped(&mut key, source.property(&path).as_deref())
             }
-            // Envoy's client address (`source.address`): the connection's peer with
-            // `use_remote_address: true`, or what its `xff_num_trusted_hops` picked.
-            KeyPart::ClientIp { trusted_hops: 0 } => escaped(
-                &mut key,
-                client_address(source)
-                    .map(|ip| ip.to_string().into_bytes())
-                    .as_deref(),
-            ),
-            // The entry Envoy's `xff_num_trusted_hops: N` would pick; when there is none (too
-            // few entries, or not an IP), Envoy's client address, as Envoy falls back to the
-            // connection's. A client never chooses its key by sending a short or garbled header.
             KeyPart::ClientIp { trusted_hops } => escaped(
                 &mut key,
-                source
-                    .with_header("x-forwarded-for", |xff| {
-                        xff.and_then(|xff| {
-                            ip_from_forwarded_for(&String::from_utf8_lossy(xff), *trusted_hops)
-                        })
-                    })
-                    .or_else(|| client_address(source))
+                client_ip(source, *trusted_hops)
                     .map(|ip| ip.to_string().into_bytes())
                     .as_deref(),
             ),
@@ -131,11 +119,60 @@ fn escaped(key: &mut String, value: Option<&[u8]>) -> bool {
     }
 }
 
+/// The client IP a `client_ip` key part or condition reads. `trusted_hops` 0: Envoy's client
+/// address (`source.address`): the connection's peer with `use_remote_address: true`, or what
+/// its `xff_num_trusted_hops` picked. Otherwise the entry Envoy's `xff_num_trusted_hops: N`
+/// would pick; when there is none (too few entries, or not an IP), Envoy's client address, as
+/// Envoy falls back to the connection's. A client never chooses its address by sending a short
+/// or garbled header.
+pub fn client_ip(source: &impl RequestSource, trusted_hops: u32) -> Option<IpAddr> {
+    if trusted_hops > 0 {
+        let forwarded = source.with_header("x-forwarded-for", |xff| {
+            xff.and_then(|xff| ip_from_forwarded_for(&String::from_utf8_lossy(xff), trusted_hops))
+        });
+        if forwarded.is_some() {
+            return forwarded;
+        }
+    }
+    client_address(source)
+}
+
 /// Envoy's client address of the request (`source.address`).
-fn client_address(source: &impl RequestSource) -> Option<std::net::IpAddr> {
+fn client_address(source: &impl RequestSource) -> Option<IpAddr> {
     source
         .property(&["source", "address"])
         .and_then(|a| ip_from_socket_address(&String::from_utf8_lossy(&a)))
+}
+
+/// Whether all of a policy's `when` conditions hold for a request its `match` matched
+/// (`route`). Values are read in place where the host lends them (headers), tested without a
+/// copy: a header is its first value, the one a key part reads (Envoy's `request_headers`
+/// rate-limit action reads the same); the method and a route parameter are borrowed from the
+/// request line; a claim and the client address are what the host hands over.
+pub fn conditions_hold(
+    policy: &Policy,
+    route: &RouteMatch<'_>,
+    facts: &RequestFacts<'_>,
+    source: &impl RequestSource,
+) -> bool {
+    policy.when.iter().all(|condition| {
+        let test = &condition.test;
+        match &condition.fact {
+            Fact::Header(name) => source.with_header(name, |value| test.holds(value)),
+            Fact::Method => test.holds(Some(facts.method.as_bytes())),
+            Fact::PathParam { positions, .. } => test.holds(
+                route
+                    .template
+                    .and_then(|t| positions.get(t).copied().flatten())
+                    .and_then(|segment| path_segment(&facts.path, segment)),
+            ),
+            Fact::JwtClaim { path } => {
+                let path: Vec<&str> = path.iter().map(String::as_str).collect();
+                test.holds(source.property(&path).as_deref())
+            }
+            Fact::ClientIp { trusted_hops } => test.holds_ip(client_ip(source, *trusted_hops)),
+        }
+    })
 }
 
 #[cfg(test)]
@@ -342,5 +379,153 @@ mod tests {
             "{key}"
         );
         assert!(!key.contains("secret"));
+    }
+
+    /// The one policy of a document with `match.routes` and `when`.
+    fn conditional(routes: &str, when: &str) -> Policies {
+        Policies::from_json(
+            format!(
+                r#"{{"policies":[{{"name":"p","match":{{"routes":{routes}}},"when":{when},"key":[{{"constant":"all"}}],"rate":{{"units":1,"per":"1s"}},"burst":1}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    /// Whether `when` holds for `src` on `facts` (the policy's `match` must match them).
+    fn holds(p: &Policies, facts: &RequestFacts<'_>, src: &impl RequestSource) -> bool {
+        let policy = &p.policies[0];
+        let route = policy
+            .match_request(&facts.host, &facts.method, &facts.path)
+            .expect("match");
+        conditions_hold(policy, &route, facts, src)
+    }
+
+    fn with_header(name: &str, value: &[u8]) -> Fake {
+        let mut src = Fake::default();
+        src.headers.insert(name.into(), value.to_vec());
+        src
+    }
+
+    #[test]
+    fn header_conditions_read_the_value_a_key_part_reads_in_place() {
+        let p = conditional(
+            r#"["GET /items/{id}"]"#,
+            r#"[{"header":"x-plan","in":["pro","team"]}]"#,
+        );
+        assert!(holds(&p, &facts(), &with_header("x-plan", b"pro")));
+        assert!(!holds(&p, &facts(), &with_header("x-plan", b"free")));
+        assert!(!holds(&p, &facts(), &Fake::default()));
+        // Lent in place: `header` (a copy) is never asked.
+        let lending = Lending(with_header("x-plan", b"team"));
+        assert!(holds(&p, &facts(), &lending));
+    }
+
+    #[test]
+    fn all_conditions_must_hold() {
+        let p = conditional(
+            r#"["GET /items/{id}"]"#,
+            r#"[{"header":"x-plan","equals":"pro"},{"header":"x-region","prefix":"eu-"}]"#,
+        );
+        let mut src = with_header("x-plan", b"pro");
+        assert!(!holds(&p, &facts(), &src));
+        src.headers.insert("x-region".into(), b"eu-west".to_vec());
+        assert!(holds(&p, &facts(), &src));
+        src.headers.insert("x-plan".into(), b"free".to_vec());
+        assert!(!holds(&p, &facts(), &src));
+    }
+
+    #[test]
+    fn method_and_path_parameter_conditions_read_the_request_line() {
+        let p = conditional(
+            r#"["/items/{id}", "/users/{user}/items/{id}", "/health"]"#,
+            r#"[{"header":":method","in":["GET","HEAD"]},{"path_param":"id","regex":"[0-9]{1,6}"}]"#,
+        );
+        fn at<'a>(method: &'a str, path: &'a str) -> RequestFacts<'a> {
+            RequestFacts {
+                method: method.into(),
+                path: path.into(),
+                host: "api".into(),
+            }
+        }
+        let src = Fake::default();
+        assert!(holds(&p, &at("GET", "/items/42?id=x"), &src));
+        assert!(holds(&p, &at("HEAD", "/users/ann/items/7/"), &src));
+        assert!(!holds(&p, &at("POST", "/items/42"), &src));
+        assert!(!holds(&p, &at("GET", "/items/abc"), &src));
+        assert!(!holds(&p, &at("GET", "/users/42/items/x"), &src));
+        // `/health` has no `{id}`: the parameter is absent there, so the regex does not hold.
+        assert!(!holds(&p, &at("GET", "/health"), &src));
+        let absent = conditional(
+            r#"["/items/{id}", "/health"]"#,
+            r#"[{"path_param":"id","absent":true}]"#,
+        );
+        assert!(holds(&absent, &at("GET", "/health"), &src));
+        assert!(!holds(&absent, &at("GET", "/items/1"), &src));
+    }
+
+    #[test]
+    fn client_ip_conditions_read_the_address_a_key_part_reads() {
+        let mut src = Fake::default();
+        src.properties
+            .insert("source/address".into(), b"10.9.9.9:5555".to_vec());
+        src.headers.insert(
+            "x-forwarded-for".into(),
+            b"6.6.6.6, 203.0.113.7, 10.9.9.9".to_vec(),
+        );
+        let internal = conditional("[]", r#"[{"client_ip":{},"cidr":["10.0.0.0/8"]}]"#);
+        assert!(holds(&internal, &facts(), &src));
+        // Behind one trusted proxy: the client it appended, not the proxy, not a forged entry.
+        let hop = |cidr: &str| {
+            conditional(
+                "[]",
+                &format!(r#"[{{"client_ip":{{"trusted_hops":1}},"cidr":["{cidr}"]}}]"#),
+            )
+        };
+        assert!(holds(&hop("203.0.113.0/24"), &facts(), &src));
+        assert!(!holds(&hop("10.0.0.0/8"), &facts(), &src));
+        assert!(!holds(&hop("6.6.6.6"), &facts(), &src));
+        // A garbled header falls back to Envoy's client address, as the key part does.
+        src.headers
+            .insert("x-forwarded-for".into(), b"not-an-ip, 10.9.9.9".to_vec());
+        assert!(holds(&hop("10.9.9.9/32"), &facts(), &src));
+        // No address at all: only `absent` holds.
+        src.properties.clear();
+        src.headers.clear();
+        assert!(!holds(&internal, &facts(), &src));
+        let absent = conditional("[]", r#"[{"client_ip":{},"absent":true}]"#);
+        assert!(holds(&absent, &facts(), &src));
+    }
+
+    #[test]
+    fn claim_conditions_read_jwt_authn_metadata() {
+        let p = conditional(
+            "[]",
+            r#"[{"jwt_claim":{"claim":["org","plan"]},"equals":"pro"}]"#,
+        );
+        let mut src = Fake::default();
+        assert!(!holds(&p, &facts(), &src));
+        src.properties.insert(
+            "metadata/filter_metadata/envoy.filters.http.jwt_authn/jwt_payload/org/plan".into(),
+            b"pro".to_vec(),
+        );
+        assert!(holds(&p, &facts(), &src));
+    }
+
+    #[test]
+    fn hostile_header_values_are_tested_without_panic() {
+        let p = conditional(
+            "[]",
+            r#"[{"header":"x-plan","regex":"(?:.*-){1,20}z"},{"header":"x-plan","prefix":"pro"}]"#,
+        );
+        for hostile in [
+            vec![b'-'; 60 * 1024],
+            (0..=255u8).cycle().take(60 * 1024).collect(),
+            vec![0xff; 3],
+        ] {
+            assert!(!holds(&p, &facts(), &with_header("x-plan", &hostile)));
+            let lent = Lending(with_header("x-plan", &hostile));
+            assert!(!holds(&p, &facts(), &lent));
+        }
     }
 }

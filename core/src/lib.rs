@@ -7,6 +7,7 @@
 pub mod assign;
 pub mod bucket;
 pub mod calendar;
+pub mod condition;
 pub mod duration;
 pub mod identity;
 pub mod in_flight;

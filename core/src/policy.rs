@@ -7,6 +7,7 @@
 
 use crate::bucket::Limits;
 use crate::calendar::RatePeriod;
+use crate::condition::{self, Condition, ConditionSpec};
 use crate::duration::Millis;
 use crate::key::{self, digest_hex, is_valid_policy_name};
 use crate::route::RouteTemplate;
@@ -41,6 +42,9 @@ pub struct PolicySpec {
     pub name: String,
     #[serde(rename = "match", default)]
     pub matcher: MatchSpec,
+    /// Conditions on trusted request facts, all of which must hold for the policy to apply.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub when: Vec<ConditionSpec>,
     pub key: Vec<KeyPartSpec>,
     #[serde(default)]
     pub on_missing_key: OnMissingKey,
@@ -636,6 +640,8 @@ pub struct Policy {
     routes: Vec<RouteTemplate>,
     route_costs: Vec<u64>,
     methods: Vec<String>,
+    /// `when`: all must hold (cheapest first), checked after `match`.
+    pub when: Vec<Condition>,
     pub key: Vec<KeyPart>,
     pub on_missing_key: OnMissingKey,
     pub units: u64,
@@ -659,6 +665,8 @@ pub struct Policy {
 pub struct RouteMatch<'a> {
     /// The matched template, when the policy declares routes.
     pub route: Option<&'a str>,
+    /// Its position in `match.routes` (where a `path_param` condition finds its segment).
+    pub template: Option<usize>,
     /// The route's constant cost; with `reserve`, the constant part of the estimate.
     pub cost: u64,
 }
@@ -676,15 +684,18 @@ impl Policy {
         if self.routes.is_empty() {
             return Some(RouteMatch {
                 route: None,
+                template: None,
                 cost: if self.reserve.is_some() { 0 } else { 1 },
             });
         }
         self.routes
             .iter()
             .zip(&self.route_costs)
-            .find(|(route, _)| route.matches(method, path))
-            .map(|(route, cost)| RouteMatch {
+            .enumerate()
+            .find(|(_, (route, _))| route.matches(method, path))
+            .map(|(i, (route, cost))| RouteMatch {
                 route: Some(route.as_str()),
+                template: Some(i),
                 cost: *cost,
             })
     }
@@ -919,6 +930,8 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         }
     }
 
+    let when = compile_when(spec, &routes, &at, name, errors);
+
     if spec.key.is_empty() {
         errors.push(
             name,
@@ -946,31 +959,10 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
                     key.push(KeyPart::ApiKey(h.clone()));
                 }
             }
-            KeyPartSpec::JwtClaim(claim) => {
-                let segments = claim.claim.segments();
-                if segments.is_empty() || segments.iter().any(|s| s.is_empty()) {
-                    errors.push(
-                        name,
-                        format!("{field}.jwt_claim.claim"),
-                        "must name a claim",
-                    );
-                } else if claim.payload.is_empty() || claim.namespace.is_empty() {
-                    errors.push(
-                        name,
-                        format!("{field}.jwt_claim"),
-                        "payload and namespace must not be empty",
-                    );
-                } else {
-                    let mut path = vec![
-                        "metadata".to_string(),
-                        "filter_metadata".to_string(),
-                        claim.namespace.clone(),
-                        claim.payload.clone(),
-                    ];
-                    path.extend(segments.iter().map(|s| s.to_string()));
-                    key.push(KeyPart::JwtClaim { path });
-                }
-            }
+            KeyPartSpec::JwtClaim(claim) => match jwt_claim_path(claim) {
+                Ok(path) => key.push(KeyPart::JwtClaim { path }),
+                Err((suffix, reason)) => errors.push(name, format!("{field}{suffix}"), reason),
+            },
             KeyPartSpec::ClientIp(ip) => {
                 if ip.trusted_hops > crate::identity::MAX_TRUSTED_HOPS {
                     errors.push(
@@ -1126,6 +1118,7 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         routes,
         route_costs,
         methods,
+        when,
         key,
         on_missing_key: spec.on_missing_key,
         units: spec.rate.units,
@@ -1141,6 +1134,47 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         algorithm: algorithm?,
         shape,
     })
+}
+
+fn compile_when(
+    spec: &PolicySpec,
+    routes: &[RouteTemplate],
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Vec<Condition> {
+    if spec.when.len() > condition::MAX_CONDITIONS {
+        errors.push(
+            name,
+            at("when"),
+            format!("at most {} conditions", condition::MAX_CONDITIONS),
+        );
+        return Vec::new();
+    }
+    let mut when = Vec::new();
+    for (i, written) in spec.when.iter().enumerate() {
+        match condition::compile(i, written, routes, jwt_claim_path) {
+            Ok(compiled) => when.push(compiled),
+            Err(problems) => {
+                for (suffix, reason) in problems {
+                    errors.push(name, at(&format!("when[{i}]{suffix}")), reason);
+                }
+            }
+        }
+    }
+    // All must hold: the cheapest are tested first (borrowed request-line facts, then a
+    // header, then what the host hands over as a copy), in document order within a rank (at
+    // most 16: an insertion keeps it simple, and small in the .wasm).
+    let mut ordered: Vec<Condition> = Vec::with_capacity(when.len());
+    for c in when {
+        let rank = condition::cost_rank(&c.fact);
+        let at = ordered
+            .iter()
+            .position(|o| condition::cost_rank(&o.fact) > rank)
+            .unwrap_or(ordered.len());
+        ordered.insert(at, c);
+    }
+    ordered
 }
 
 const MAX_SHAPE_DELAY_MS: u64 = 30_000;
@@ -1457,6 +1491,29 @@ fn compile_failure(spec: &FailureSpec) -> Result<FailureMode, (&'static str, Str
             })
         }
     }
+}
+
+/// The dynamic-metadata property path of a jwt_authn claim, or the problem (a field under the
+/// `jwt_claim`'s parent and the reason).
+fn jwt_claim_path(claim: &JwtClaimSpec) -> Result<Vec<String>, (String, String)> {
+    let segments = claim.claim.segments();
+    if segments.is_empty() || segments.iter().any(|s| s.is_empty()) {
+        return Err((".jwt_claim.claim".into(), "must name a claim".into()));
+    }
+    if claim.payload.is_empty() || claim.namespace.is_empty() {
+        return Err((
+            ".jwt_claim".into(),
+            "payload and namespace must not be empty".into(),
+        ));
+    }
+    let mut path = vec![
+        "metadata".to_string(),
+        "filter_metadata".to_string(),
+        claim.namespace.clone(),
+        claim.payload.clone(),
+    ];
+    path.extend(segments.iter().map(|s| s.to_string()));
+    Ok(path)
 }
 
 /// A header name a policy document accepts: 1 to 128 bytes of lower-case `[a-z0-9._-]`.

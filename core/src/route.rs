@@ -13,7 +13,7 @@ pub const MAX_PATH_BYTES: usize = 4096;
 enum Segment {
     Literal(String),
     /// `{name}`: any one non-empty segment.
-    Param,
+    Param(String),
 }
 
 /// A parsed route template: optional method plus path segments.
@@ -64,8 +64,7 @@ impl RouteTemplate {
                     .ok_or_else(|| {
                         format!("route `{text}`: `{piece}` must be a whole segment like `{{id}}`")
                     })?;
-                let _ = name;
-                segments.push(Segment::Param);
+                segments.push(Segment::Param(name.to_string()));
             } else if piece.contains(['{', '}']) {
                 return Err(format!(
                     "route `{text}`: `{piece}` mixes text and a parameter; use a whole segment"
@@ -97,23 +96,52 @@ impl RouteTemplate {
                 return false;
             }
         }
-        let Some(path) = normalize_path(path) else {
+        let Some(mut pieces) = request_segments(path) else {
             return false;
         };
-        // Split as bytes (`/` is ASCII): the same pieces as `split_path`, without a char search.
-        let body = path.strip_prefix('/').unwrap_or(path);
-        let body = body.strip_suffix('/').unwrap_or(body).as_bytes();
-        let empty = body.is_empty();
-        let mut pieces = body.split(|b| *b == b'/').filter(move |_| !empty);
         for segment in &self.segments {
             match (segment, pieces.next()) {
                 (Segment::Literal(lit), Some(piece)) if lit.as_bytes() == piece => {}
-                (Segment::Param, Some(piece)) if !piece.is_empty() => {}
+                (Segment::Param(_), Some(piece)) if !piece.is_empty() => {}
                 _ => return false,
             }
         }
         pieces.next().is_none()
     }
+
+    /// Position of the `{name}` parameter among the template's segments (what
+    /// [`path_segment`] reads from a request the template matched).
+    pub fn param_position(&self, name: &str) -> Option<usize> {
+        self.segments
+            .iter()
+            .position(|s| matches!(s, Segment::Param(n) if n == name))
+    }
+
+    /// Names of the template's parameters, in order.
+    pub fn param_names(&self) -> impl Iterator<Item = &str> {
+        self.segments.iter().filter_map(|s| match s {
+            Segment::Param(name) => Some(name.as_str()),
+            Segment::Literal(_) => None,
+        })
+    }
+}
+
+/// The pieces of a request path that templates match: query cut, one leading and one trailing
+/// `/` dropped, split at `/` as bytes (`/` is ASCII: the same pieces as `split_path`, without a
+/// char search). `None` for a path that never matches.
+fn request_segments(path: &str) -> Option<impl Iterator<Item = &[u8]>> {
+    let path = normalize_path(path)?;
+    let body = path.strip_prefix('/').unwrap_or(path);
+    let body = body.strip_suffix('/').unwrap_or(body).as_bytes();
+    let empty = body.is_empty();
+    Some(body.split(|b| *b == b'/').filter(move |_| !empty))
+}
+
+/// The `index`-th segment of a request path (as it arrived: not percent-decoded), counted as
+/// [`RouteTemplate::matches`] counts them: the value of the parameter at
+/// [`RouteTemplate::param_position`] `index` of a template the path matched.
+pub fn path_segment(path: &str, index: usize) -> Option<&[u8]> {
+    request_segments(path)?.nth(index)
 }
 
 impl fmt::Display for RouteTemplate {
@@ -166,6 +194,22 @@ mod tests {
         assert!(!t.matches("GET", "/payments/transfers//"));
         assert!(!t.matches("GET", "payments/transfers/42"));
         assert_eq!(t.as_str(), "GET /payments/transfers/{id}");
+    }
+
+    #[test]
+    fn parameters_are_read_from_the_segments_the_template_matched() {
+        let t = RouteTemplate::parse("PUT /users/{user}/items/{id}").unwrap();
+        assert_eq!(t.param_names().collect::<Vec<_>>(), ["user", "id"]);
+        assert_eq!(t.param_position("user"), Some(1));
+        assert_eq!(t.param_position("id"), Some(3));
+        assert_eq!(t.param_position("items"), None);
+        let path = "/users/a%3Ab/items/42/?x=/y";
+        assert!(t.matches("PUT", path));
+        assert_eq!(path_segment(path, 1), Some(&b"a%3Ab"[..]), "not decoded");
+        assert_eq!(path_segment(path, 3), Some(&b"42"[..]), "query cut");
+        assert_eq!(path_segment(path, 4), None);
+        assert_eq!(path_segment("/", 0), None);
+        assert_eq!(path_segment("*", 0), None);
     }
 
     #[test]

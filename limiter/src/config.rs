@@ -268,6 +268,12 @@ pub enum Command {
         /// it a key is read from the header of the same name (`remote_address`: the client IP).
         #[arg(long = "header", value_name = "KEY=SOURCE", value_parser = parse_key_source)]
         headers: Vec<(String, crate::import::Source)>,
+        /// A `when` condition (JSON, as a policy document writes it) that holds exactly when
+        /// Envoy produces the descriptor entry KEY = VALUE, repeatable (all given for one entry
+        /// must hold): e.g. the header matchers of a header_value_match action,
+        /// `header_match=premium={"header":"x-plan","equals":"premium"}`.
+        #[arg(long = "when", value_name = "KEY=VALUE=CONDITION", value_parser = crate::import::convert::parse_when)]
+        when: Vec<(String, String, tollgate_core::condition::ConditionSpec)>,
         /// The Envoy cluster of the limiter, written as the document's `limiter.cluster`.
         #[arg(long, value_name = "NAME", default_value = "tollgate_limiter")]
         limiter_cluster: String,

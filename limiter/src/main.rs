@@ -20,13 +20,22 @@ async fn main() -> std::process::ExitCode {
     }
     if let Some(Command::ImportRatelimit {
         headers,
+        when,
         limiter_cluster,
         trusted_hops,
         files,
     }) = &cli.command
     {
+        let mut conditions = std::collections::BTreeMap::<_, Vec<_>>::new();
+        for (key, value, condition) in when {
+            conditions
+                .entry((key.clone(), value.clone()))
+                .or_default()
+                .push(condition.clone());
+        }
         let options = import::Options {
             sources: headers.iter().cloned().collect(),
+            conditions,
             limiter_cluster: limiter_cluster.clone(),
             trusted_hops: *trusted_hops,
         };

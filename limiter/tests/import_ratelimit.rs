@@ -99,7 +99,7 @@ fn documented_examples_convert_exactly_and_list_the_rest() {
         document["limiter"],
         json!({ "cluster": "tollgate_limiter" })
     );
-    assert_eq!(document["policies"].as_array().unwrap().len(), 4);
+    assert_eq!(document["policies"].as_array().unwrap().len(), 14);
     assert_eq!(
         policy(&document, "messaging-to_number"),
         &global_fixed_window(
@@ -140,43 +140,88 @@ fn documented_examples_convert_exactly_and_list_the_rest() {
             true
         )
     );
+    // Fixed values become `when` conditions: a header's value, a prefix (`value*`).
+    let mut marketing = global_fixed_window(
+        "messaging-message_type_marketing-to_number",
+        json!([{ "header": "to_number" }]),
+        5,
+        "1d",
+        true,
+    );
+    marketing["when"] = json!([{ "header": "message_type", "equals": "marketing" }]);
+    assert_eq!(
+        policy(&document, "messaging-message_type_marketing-to_number"),
+        &marketing
+    );
+    let mut users = global_fixed_window(
+        "mongo_cps-database_users",
+        json!([{ "constant": "mongo_cps.database_users" }]),
+        500,
+        "1s",
+        true,
+    );
+    users["when"] = json!([{ "header": "database", "equals": "users" }]);
+    assert_eq!(policy(&document, "mongo_cps-database_users"), &users);
+    let mut wildcard = global_fixed_window(
+        "example9-key1_value_",
+        json!([{ "constant": "example9.key1_value*" }]),
+        20,
+        "1m",
+        true,
+    );
+    wildcard["when"] = json!([{ "header": "key1", "prefix": "value" }]);
+    assert_eq!(policy(&document, "example9-key1_value_"), &wildcard);
+    let mut shadowed = global_fixed_window(
+        "example6-service-user_user-a",
+        json!([{ "header": "service" }]),
+        10,
+        "1s",
+        false,
+    );
+    shadowed["when"] = json!([{ "header": "user", "equals": "user-a" }]);
+    assert_eq!(policy(&document, "example6-service-user_user-a"), &shadowed);
+    let mut nested = global_fixed_window(
+        "example7-key_1_value_1-user_bkthomps",
+        json!([{ "constant": "example7.key_1_value_1.user_bkthomps" }]),
+        5,
+        "1s",
+        true,
+    );
+    nested["when"] = json!([
+        { "header": "key_1", "equals": "value_1" },
+        { "header": "user", "equals": "bkthomps" }
+    ]);
+    assert_eq!(
+        policy(&document, "example7-key_1_value_1-user_bkthomps"),
+        &nested
+    );
     let dir = scratch("examples");
     let checked = check_policies(&run.stdout, &dir);
-    assert!(checked.contains(": ok: 4 policies (4 global)"), "{checked}");
+    assert!(
+        checked.contains(": ok: 14 policies (14 global)"),
+        "{checked}"
+    );
 
     let report = &run.stderr;
     assert!(
-        report.starts_with("# import-ratelimit: 4 policies from 9 files (domains: mongo_cps, messaging, edge_proxy_per_ip, example4, internal, example6, example7, example8, example9); 12 limits not converted\n"),
+        report.starts_with("# import-ratelimit: 14 policies from 9 files (domains: mongo_cps, messaging, edge_proxy_per_ip, example4, internal, example6, example7, example8, example9); 2 limits not converted\n"),
         "{report}"
     );
     for line in [
         "  `to_number` <- header `to_number` (Envoy: `request_headers` action, header_name `to_number`, descriptor_key `to_number`); assumed from the key's name (another header: --header to_number=HEADER)",
         "- edge_proxy_per_ip-remote_address: also counts requests whose `remote_address` is `50.0.0.5`, which ratelimit gives to the more specific `edge_proxy_per_ip.remote_address_50.0.0.5` instead",
         "- example8-key1: `detailed_metric`/`value_to_metric` (metrics per descriptor value): tollgate's metrics are per policy, never per key",
-        "- mongo_cps.database_users (500 per second, example1-mongo_cps.yaml): `database` = `users` (header `database`): tollgate matches hosts, routes and methods, not a header's value",
-        "- messaging.message_type_marketing.to_number (5 per day, example2-messaging.yaml): `message_type` = `marketing` (header `message_type`): tollgate matches hosts, routes and methods, not a header's value",
+        "- example8-key1: also counts requests whose `key1` is `value1`, which ratelimit gives to the more specific `example8.key1_value1` instead",
+        "  `message_type` = `marketing` <- when header `message_type` equals `marketing` (Envoy: `request_headers` action, header_name `message_type`, descriptor_key `message_type`); assumed from the key's name (another header: --header message_type=HEADER)",
+        "  `key1` = `value*` <- when header `key1` prefix `value` (Envoy: `request_headers` action, header_name `key1`, descriptor_key `key1`); assumed from the key's name (another header: --header key1=HEADER)",
         "- edge_proxy_per_ip.remote_address_50.0.0.5 (0 per second, example3-edge_proxy_per_ip.yaml): `requests_per_unit: 0` refuses every matching request: a tollgate rate is at least 1 unit (refuse these requests in Envoy, e.g. with an RBAC filter)",
         "- internal.ldap (unlimited, example5-internal.yaml): `unlimited: true`: no policy is needed (tollgate admits what no policy limits)",
-        "- example9.key1_value* (20 per minute, example9.yaml): `key1` = `value*` is a prefix match: tollgate has no prefix match on request data",
     ] {
         assert!(report.lines().any(|l| l == line), "missing {line:?} in\n{report}");
     }
-    for descriptor in [
-        "mongo_cps.database_default",
-        "example4.key_value.subkey",
-        "example6.service.user_user-a",
-        "example6.service.user_user-b",
-        "example7.key_1_value_1.user_bkthomps",
-        "example7.key_2_value_2.user_bkthomps",
-        "example8.key1_value1",
-    ] {
-        assert!(
-            report
-                .lines()
-                .any(|l| l.starts_with(&format!("- {descriptor} ("))),
-            "{descriptor} not listed in\n{report}"
-        );
-    }
+    // Every value-specific limit of the examples converts: only those two are listed.
+    let not_converted = report.split("## Not converted\n").nth(1).unwrap();
+    assert_eq!(not_converted.lines().count(), 2, "{not_converted}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -191,6 +236,8 @@ fn header_mapping_turns_values_into_match_conditions() {
         "user_id=x-user-id",
         "--trusted-hops",
         "1",
+        "--when",
+        r#"header_match=internal={"header":"x-internal","equals":"true"}"#,
         "--limiter-cluster",
         "rate_limits",
         "api-gateway.yaml",
@@ -242,7 +289,32 @@ fn header_mapping_turns_values_into_match_conditions() {
             false
         )
     );
-    assert_eq!(document["policies"].as_array().unwrap().len(), 4);
+    // A fixed header value (the plan) and an entry `--when` maps become `when` conditions.
+    let mut premium = global_fixed_window(
+        "api-gateway-plan_premium-user_id",
+        json!([{ "header": "x-user-id" }]),
+        300,
+        "1m",
+        true,
+    );
+    premium["when"] = json!([{ "header": "plan", "equals": "premium" }]);
+    assert_eq!(
+        policy(&document, "api-gateway-plan_premium-user_id"),
+        &premium
+    );
+    let mut internal = global_fixed_window(
+        "api-gateway-header_match_internal",
+        json!([{ "constant": "api-gateway.header_match_internal" }]),
+        1000,
+        "1s",
+        true,
+    );
+    internal["when"] = json!([{ "header": "x-internal", "equals": "true" }]);
+    assert_eq!(
+        policy(&document, "api-gateway-header_match_internal"),
+        &internal
+    );
+    assert_eq!(document["policies"].as_array().unwrap().len(), 6);
     let dir = scratch("gateway");
     check_policies(&run.stdout, &dir);
     std::fs::remove_dir_all(&dir).unwrap();
@@ -255,7 +327,7 @@ fn header_mapping_turns_values_into_match_conditions() {
     ] {
         assert!(report.lines().any(|l| l == line), "missing {line:?} in\n{report}");
     }
-    assert!(report.contains("- api-gateway.plan_premium.user_id (300 per minute, api-gateway.yaml): `plan` = `premium`"), "{report}");
+    assert!(report.lines().any(|l| l == r#"  `header_match` = `internal` <- when {"header":"x-internal","equals":"true"} (--when: the request facts for which Envoy sets this entry)"#), "{report}");
     assert!(report.contains("- api-gateway.generic_key_slow_reports (1000 per month, api-gateway.yaml): `generic_key` is set by Envoy's generic_key action"), "{report}");
 }
 
@@ -349,6 +421,8 @@ fn readme_shows_what_the_command_prints() {
             "import-ratelimit",
             "--header",
             "to_number=x-to-number",
+            "--header",
+            "message_type=x-message-type",
             "limiter/tests/fixtures/ratelimit/example2-messaging.yaml",
             "limiter/tests/fixtures/ratelimit/example3-edge_proxy_per_ip.yaml",
         ])

@@ -20,6 +20,7 @@ use tollgate::engine::{Engine, SHARED_PREFIX};
 use tollgate::metrics::Metrics;
 use tollgate::table::{unguessable_seed, Cells, SlotTable};
 use tollgate::worker::{Ctx, Host, Worker};
+use tollgate_core::condition::Fact;
 use tollgate_core::policy::{KeyPart, Policies};
 use tollgate_core::protocol::MAX_BODY_BYTES;
 use tollgate_core::response::LocalReply;
@@ -105,7 +106,8 @@ pub fn now_ms() -> u64 {
 
 /// Why the native build refuses a policy document the wasm filter takes.
 fn native_limits(policies: &Policies) -> Result<(), String> {
-    for policy in &policies.policies {
+    // A document that validated holds every policy, in order: the index is the document's.
+    for (index, policy) in policies.policies.iter().enumerate() {
         if policy
             .key
             .iter()
@@ -116,6 +118,18 @@ fn native_limits(policies: &Policies) -> Result<(), String> {
                  dynamic-module ABI of Envoy 1.40 reads no nested metadata); use the wasm \
                  filter, or jwt_authn's claim_to_headers with a header key",
                 policy.name
+            ));
+        }
+        if let Some(condition) = policy
+            .when
+            .iter()
+            .find(|c| matches!(c.fact, Fact::JwtClaim { .. }))
+        {
+            return Err(format!(
+                "policy `{}`: policies[{index}].when[{}].jwt_claim is not supported by the \
+                 native build (the dynamic-module ABI of Envoy 1.40 reads no nested metadata); \
+                 use the wasm filter, or jwt_authn's claim_to_headers with a `header` condition",
+                policy.name, condition.index
             ));
         }
     }

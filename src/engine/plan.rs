@@ -1,4 +1,4 @@
-//! Plan: which policies apply to a request, with their keys and costs. Computed once per
+//! Plan: which policies apply to a request (`match`, then `when`), with their keys and costs. Computed once per
 //! request; the same plan is decided again after each wait for the limiter.
 //!
 //! A cost is the route's constant, or a reserved estimate: read from a request header here,
@@ -6,7 +6,7 @@
 //! policy, so no client can reserve more than `reserve.max` or less than `reserve.min`.
 
 use super::{Engine, Matched, Outcome, Plan};
-use crate::request::{build_key, PolicyKey, RequestFacts, RequestSource};
+use crate::request::{build_key, conditions_hold, PolicyKey, RequestFacts, RequestSource};
 use tollgate_core::key::local_bucket_id;
 use tollgate_core::policy::{OnMissingKey, Policy, UnitsSource};
 use tollgate_core::response;
@@ -20,6 +20,10 @@ impl Engine {
             let Some(route) = policy.match_request(&facts.host, &facts.method, &facts.path) else {
                 continue;
             };
+            // A policy whose conditions do not hold is skipped as one whose `match` does not.
+            if !policy.when.is_empty() && !conditions_hold(policy, &route, facts, source) {
+                continue;
+            }
             let anonymous = policy.on_missing_key == OnMissingKey::Anonymous;
             let key = match build_key(policy, route.route, facts, source, anonymous) {
                 PolicyKey::Key(key) => key,

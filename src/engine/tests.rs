@@ -294,3 +294,74 @@ fn a_full_table_applies_the_failure_mode() {
         assert_eq!(undecided, 200 - 16);
     }
 }
+
+/// Two plans on one route, told apart by a header condition; the key's own header decides
+/// nothing about which policy applies.
+const PLANS: &str = r#"{"policies":[
+    {"name":"free","match":{"routes":["GET /items/{id}"]},
+     "when":[{"header":"x-plan","equals":"free"}],
+     "key":[{"header":"x-tenant-id"}],"on_missing_key":"deny",
+     "rate":{"units":1,"per":"1h"},"burst":2},
+    {"name":"pro","match":{"routes":["GET /items/{id}"]},
+     "when":[{"header":"x-plan","in":["pro","team"]}],
+     "key":[{"header":"x-tenant-id"}],"on_missing_key":"deny",
+     "rate":{"units":1,"per":"1h"},"burst":5}
+]}"#;
+
+fn on_plan(tenant_id: &str, plan: Option<&str>) -> Req {
+    let mut req = tenant(tenant_id);
+    if let Some(plan) = plan {
+        req.headers
+            .insert("x-plan".into(), plan.as_bytes().to_vec());
+    }
+    req
+}
+
+#[test]
+fn conditions_choose_the_policy_and_a_request_matching_none_is_not_limited_by_them() {
+    let store = MemorySharedData::default();
+    let e = engine(PLANS, &store, 64);
+    let item = facts("GET", "/items/1");
+    let admitted = |req: &Req| {
+        (0..10)
+            .filter(|_| eval(&e, &item, req, &store, 1_000).reply.is_none())
+            .count()
+    };
+    assert_eq!(admitted(&on_plan("a", Some("free"))), 2);
+    assert_eq!(admitted(&on_plan("b", Some("pro"))), 5);
+    assert_eq!(admitted(&on_plan("c", Some("team"))), 5);
+    // No condition holds: neither policy applies (no bucket, no outcome, no 403 for a
+    // missing key either: a skipped policy reads no key).
+    for req in [
+        on_plan("d", Some("enterprise")),
+        on_plan("e", None),
+        Req::default(),
+    ] {
+        let plan = e.plan(&item, &req);
+        assert!(plan.is_empty(), "{plan:?}");
+        assert_eq!(admitted(&req), 10);
+    }
+    // A condition is tested only where `match` holds: another route plans nothing.
+    assert!(e
+        .plan(&facts("GET", "/other"), &on_plan("a", Some("free")))
+        .is_empty());
+}
+
+#[test]
+fn a_policy_whose_conditions_hold_is_planned_with_its_key_and_cost() {
+    let store = MemorySharedData::default();
+    let e = engine(PLANS, &store, 64);
+    let plan = e.plan(&facts("GET", "/items/9"), &on_plan("acme", Some("pro")));
+    assert_eq!(plan.enforced.len(), 1);
+    assert_eq!(plan.enforced[0].index, 1);
+    assert_eq!(plan.enforced[0].key, "acme");
+    assert_eq!(plan.enforced[0].cost, 1);
+    // The condition holds but the key is missing: `on_missing_key` decides, as without `when`.
+    let plan = e.plan(&facts("GET", "/items/9"), &{
+        let mut req = Req::default();
+        req.headers.insert("x-plan".into(), b"pro".to_vec());
+        req
+    });
+    assert_eq!(plan.early_outcomes, vec![(1, Outcome::IdentityMissing)]);
+    assert_eq!(plan.refused.map(|r| r.status), Some(403));
+}

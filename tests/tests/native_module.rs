@@ -8,7 +8,8 @@
 //! The native build as a module: the pinned Envoy loads `libtollgate_native.so` and reports the
 //! ABI version matched, the module's start check finds every callback it uses, a host without
 //! them is refused at start with a line naming them, and what the native build cannot do (jwt
-//! claims from nested metadata) is refused at load, never half-done.
+//! claims from nested metadata, as a key part or a condition) is refused at load, never
+//! half-done.
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::process::Command;
@@ -115,6 +116,36 @@ fn jwt_claim_keys_are_refused_by_the_native_build_naming_the_policy() {
     );
     assert!(
         message.contains("policy `per-tenant`: key.jwt_claim is not supported by the native build"),
+        "{message}"
+    );
+}
+
+#[test]
+fn jwt_claim_conditions_are_refused_by_the_native_build_naming_the_field() {
+    let upstream = Upstream::start();
+    let policy = policy(r#"{ "header": "x-tenant-id" }"#).replace(
+        r#""burst": 3"#,
+        r#""burst": 3,
+    "when": [{ "header": "x-plan", "equals": "pro" }, { "jwt_claim": { "claim": "plan" }, "equals": "pro" }]"#,
+    );
+    assert!(policy.contains("jwt_claim"));
+    let config = Build::Native.config(envoy_config(
+        "envoy/local.yaml",
+        &policy,
+        upstream.port(),
+        None,
+    ));
+    let error = Envoy::try_start(EnvoyOptions::new(config).concurrency(1).log_level("warn"))
+        .expect_err("the native build took a jwt_claim condition");
+    let message = error.to_string();
+    assert!(
+        message.contains("invalid plugin configuration"),
+        "{message}"
+    );
+    assert!(
+        message.contains(
+            "policy `per-tenant`: policies[0].when[1].jwt_claim is not supported by the native build"
+        ),
         "{message}"
     );
 }

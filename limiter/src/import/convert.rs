@@ -12,14 +12,17 @@
 //!   `failure_mode_deny`);
 //! * `shadow_mode: true` becomes `enforce: false`;
 //! * an entry without a value becomes a key part (a header, the client IP, the method); an
-//!   entry with a value becomes a match condition where tollgate has one (`:method`,
-//!   `:authority`, `:path`), and the limit is listed as not expressible otherwise.
+//!   entry with a value becomes a match condition (`:method`, `:authority`, `:path`) or a
+//!   `when` condition (a header's value or prefix, the client address, or the conditions
+//!   `--when` gives for it, e.g. for Envoy's header_value_match), and the limit is listed as
+//!   not expressible otherwise.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
+use tollgate_core::condition::{Cidr, ConditionSpec};
 use tollgate_core::key::{self, digest_hex, is_valid_policy_name};
-use tollgate_core::policy::is_header_name;
+use tollgate_core::policy::{is_header_name, ClientIpSpec};
 use tollgate_core::route::RouteTemplate;
 
 use super::input::{ConfigFile, Descriptor, Limit, Unit};
@@ -61,11 +64,35 @@ impl Source {
     }
 }
 
+/// Parses `--when KEY=VALUE=CONDITION`: the descriptor entry, and one `when` condition as a
+/// policy document writes it (checked for its fields here; for its values when the document
+/// is validated).
+pub fn parse_when(text: &str) -> Result<(String, String, ConditionSpec), String> {
+    let shape = || {
+        format!(
+            "`{text}` is not KEY=VALUE=CONDITION (e.g. header_match=premium={{\"header\":\"x-plan\",\"equals\":\"premium\"}})"
+        )
+    };
+    let (key, rest) = text.split_once('=').ok_or_else(shape)?;
+    let at = rest.find("={").ok_or_else(shape)?;
+    let (value, condition) = (&rest[..at], &rest[at + 1..]);
+    if key.is_empty() || value.is_empty() {
+        return Err(shape());
+    }
+    let condition: ConditionSpec = serde_json::from_str(condition)
+        .map_err(|e| format!("`{condition}` is not a `when` condition: {e}"))?;
+    Ok((key.to_string(), value.to_string(), condition))
+}
+
 /// How to convert.
 #[derive(Debug, Clone)]
 pub struct Options {
     /// `--header KEY=SOURCE`: where a descriptor key's value comes from.
     pub sources: BTreeMap<String, Source>,
+    /// `--when KEY=VALUE=CONDITION`: the tollgate conditions that hold exactly when Envoy
+    /// produces the entry `KEY` = `VALUE` (all must hold), e.g. the header matchers of a
+    /// header_value_match action. They take precedence over `sources` for that entry.
+    pub conditions: BTreeMap<(String, String), Vec<ConditionSpec>>,
     /// The Envoy cluster of the limiter (the document's `limiter.cluster`).
     pub limiter_cluster: String,
     /// `client_ip.trusted_hops` for `remote_address`.
@@ -76,6 +103,7 @@ impl Default for Options {
     fn default() -> Self {
         Self {
             sources: BTreeMap::new(),
+            conditions: BTreeMap::new(),
             limiter_cluster: "tollgate_limiter".into(),
             trusted_hops: 0,
         }
@@ -152,6 +180,8 @@ pub struct Policy {
     pub name: String,
     #[serde(rename = "match", skip_serializing_if = "Match::is_empty")]
     pub matcher: Match,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub when: Vec<ConditionSpec>,
     pub key: Vec<serde_json::Value>,
     pub rate: Rate,
     pub algorithm: &'static str,
@@ -283,9 +313,29 @@ fn convert_limit(
     let mut reasons = Vec::new();
     let mut parts = Vec::new();
     let mut matcher = Match::default();
+    let mut when: Vec<ConditionSpec> = Vec::new();
     let mut reads = Vec::new();
     for (descriptor, _) in path {
         let key = descriptor.key.as_str();
+        if let Some(value) = &descriptor.value {
+            if let Some(conditions) = options.conditions.get(&(key.to_string(), value.clone())) {
+                let written: Vec<String> = conditions
+                    .iter()
+                    .map(|c| serde_json::to_string(c).unwrap_or_default())
+                    .collect();
+                when.extend(conditions.iter().cloned());
+                reads.push(Read {
+                    key: key.to_string(),
+                    entry: format!("`{key}` = `{value}`"),
+                    from: format!(
+                        "when {} (--when: the request facts for which Envoy sets this entry)",
+                        written.join(" and ")
+                    ),
+                    assumed: false,
+                });
+                continue;
+            }
+        }
         let (source, assumed) = match source_of(key, options) {
             Ok(found) => found,
             Err(reason) => {
@@ -294,8 +344,73 @@ fn convert_limit(
             }
         };
         match (&descriptor.value, &source) {
+            (Some(value), Source::Header(header)) => {
+                // ratelimit's `value*` matches every value that starts with `value`.
+                let mut condition = ConditionSpec {
+                    header: Some(header.clone()),
+                    ..ConditionSpec::default()
+                };
+                let says = match value.strip_suffix('*') {
+                    Some("") => {
+                        condition.present = Some(true);
+                        "present".to_string()
+                    }
+                    Some(prefix) => {
+                        condition.prefix = Some(prefix.to_string());
+                        format!("prefix `{prefix}`")
+                    }
+                    None => {
+                        condition.equals = Some(value.clone());
+                        format!("equals `{value}`")
+                    }
+                };
+                if contradicts(&when, header, &condition) {
+                    reasons.push(format!(
+                        "`{key}` = `{value}` contradicts another level of the path"
+                    ));
+                    continue;
+                }
+                when.push(condition);
+                reads.push(Read {
+                    key: key.to_string(),
+                    entry: format!("`{key}` = `{value}`"),
+                    from: format!(
+                        "when header `{header}` {says} (Envoy: `request_headers` action, header_name `{header}`, descriptor_key `{key}`)"
+                    ),
+                    assumed,
+                });
+            }
+            (Some(value), Source::ClientIp) => {
+                if value.ends_with('*') {
+                    reasons.push(format!(
+                        "`{key}` = `{value}` is a prefix of the address's text: tollgate tests a client address with CIDRs (write that policy by hand)"
+                    ));
+                    continue;
+                }
+                // An address alone: ratelimit compares the text, so a network never matches.
+                if value.contains('/') || Cidr::parse(value).is_err() {
+                    reasons.push(format!("`{key}` = `{value}` is not an IP address"));
+                    continue;
+                }
+                when.push(ConditionSpec {
+                    client_ip: Some(ClientIpSpec {
+                        trusted_hops: options.trusted_hops,
+                    }),
+                    cidr: Some(vec![value.clone()]),
+                    ..ConditionSpec::default()
+                });
+                reads.push(Read {
+                    key: key.to_string(),
+                    entry: format!("`{key}` = `{value}`"),
+                    from: format!(
+                        "when client_ip (trusted_hops {}) cidr [{value}] (Envoy: `remote_address` action)",
+                        options.trusted_hops
+                    ),
+                    assumed,
+                });
+            }
             (Some(value), _) if value.ends_with('*') => reasons.push(format!(
-                "`{key}` = `{value}` is a prefix match: tollgate has no prefix match on request data"
+                "`{key}` = `{value}` is a prefix match: tollgate matches a prefix of a header's value, not of a method, a host or a path"
             )),
             (None, Source::Header(header)) => {
                 parts.push(serde_json::json!({ "header": header }));
@@ -334,12 +449,6 @@ fn convert_limit(
             )),
             (None, Source::Path) => reasons.push(format!(
                 "`{key}` (any path, one limit each): a tollgate key holds a declared route template, never the raw path"
-            )),
-            (Some(value), Source::Header(header)) => reasons.push(format!(
-                "`{key}` = `{value}` (header `{header}`): tollgate matches hosts, routes and methods, not a header's value"
-            )),
-            (Some(value), Source::ClientIp) => reasons.push(format!(
-                "`{key}` = `{value}`: tollgate does not match a client IP address"
             )),
             (Some(value), Source::Method) => {
                 let valid = !value.is_empty()
@@ -473,6 +582,7 @@ fn convert_limit(
     out.document.policies.push(Policy {
         name,
         matcher,
+        when,
         key: parts,
         rate: Rate {
             units: u64::from(requests_per_unit),
@@ -483,6 +593,17 @@ fn convert_limit(
         enforce,
         on_unavailable: FailOpen { mode: "open" },
     });
+}
+
+/// Whether a header condition can never hold together with the `when` conditions already
+/// gathered: another level of the path asks for a different exact value of the same header.
+fn contradicts(when: &[ConditionSpec], header: &str, condition: &ConditionSpec) -> bool {
+    let Some(value) = &condition.equals else {
+        return false;
+    };
+    when.iter().any(|c| {
+        c.header.as_deref() == Some(header) && c.equals.as_ref().is_some_and(|v| v != value)
+    })
 }
 
 /// Adds a match condition; `false` when the list already holds a different one (two levels
@@ -504,14 +625,14 @@ fn source_of(key: &str, options: &Options) -> Result<(Source, bool), String> {
     match key {
         "remote_address" => Ok((Source::ClientIp, false)),
         "generic_key" => Err(
-            "`generic_key` is set by Envoy's generic_key action, a constant of the route that carries it: tollgate selects routes with `match.routes` (write that policy by hand, or rerun with --header generic_key=:path if its values are paths)"
+            "`generic_key` is set by Envoy's generic_key action, a constant of the route that carries it: tollgate selects routes with `match.routes` (write that policy by hand, rerun with --header generic_key=:path if its values are paths, or with --when generic_key=VALUE=CONDITION naming what tells that route's requests apart)"
                 .into(),
         ),
         "destination_cluster" | "source_cluster" => Err(format!(
             "`{key}` is set by Envoy's {key} action (a cluster name): tollgate does not read cluster names"
         )),
         "header_match" => Err(
-            "`header_match` is set by Envoy's header_value_match action (a constant when headers match): tollgate matches hosts, routes and methods only"
+            "`header_match` is set by Envoy's header_value_match action (a constant when its header matchers hold, which ratelimit's file does not say): rerun with --when header_match=VALUE=CONDITION, e.g. --when 'header_match=premium={\"header\":\"x-plan\",\"equals\":\"premium\"}', once per matcher"
                 .into(),
         ),
         "masked_remote_address" => Err(
@@ -652,8 +773,8 @@ mod tests {
     #[test]
     fn what_cannot_be_expressed_is_listed_with_its_reason() {
         let conversion = convert(
-            &files(&["domain: d\ndescriptors:\n  - key: database\n    value: users\n    rate_limit: {unit: second, requests_per_unit: 500}\n  - key: ldap\n    rate_limit: {unlimited: true}\n  - key: remote_address\n    value: 50.0.0.5\n    rate_limit: {unit: second, requests_per_unit: 0}\n  - key: k\n    value: v*\n    rate_limit: {unit: minute, requests_per_unit: 20}\n  - key: generic_key\n    value: slow\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: remote_address\n    rate_limit: {unit: second, requests_per_unit: 10}\n"]),
-            &Options::default(),
+            &files(&["domain: d\ndescriptors:\n  - key: ldap\n    rate_limit: {unlimited: true}\n  - key: remote_address\n    value: 50.0.0.5\n    rate_limit: {unit: second, requests_per_unit: 0}\n  - key: generic_key\n    value: slow\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: header_match\n    value: premium\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: remote_address\n    value: 10.0.0.0/8\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: remote_address\n    value: 10.0.*\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: m\n    value: GE*\n    rate_limit: {unit: minute, requests_per_unit: 1}\n  - key: remote_address\n    rate_limit: {unit: second, requests_per_unit: 10}\n"]),
+            &options(&[("m", ":method")]),
         );
         let reasons: Vec<(String, String)> = conversion
             .skipped
@@ -667,20 +788,135 @@ mod tests {
                 .map(|(_, r)| r.clone())
                 .unwrap_or_else(|| panic!("{descriptor} not listed: {reasons:?}"))
         };
-        assert!(reason_of("d.database_users").contains("not a header's value"));
         assert!(reason_of("d.ldap").contains("no policy is needed"));
         assert!(reason_of("d.remote_address_50.0.0.5").contains("`requests_per_unit: 0`"));
-        assert!(reason_of("d.k_v*").contains("prefix match"));
         assert!(reason_of("d.generic_key_slow").contains("generic_key action"));
-        assert_eq!(reasons.len(), 5);
+        assert!(reason_of("d.header_match_premium").contains("--when header_match=VALUE=CONDITION"));
+        // ratelimit compares an address's text: a network written as a value matches nothing.
+        assert!(reason_of("d.remote_address_10.0.0.0/8").contains("not an IP address"));
+        assert!(reason_of("d.remote_address_10.0.*").contains("tests a client address with CIDRs"));
+        assert!(reason_of("d.m_GE*").contains("prefix match"));
+        assert_eq!(reasons.len(), 7);
         // The value-less remote_address converts, with the more specific sibling noted.
         let policies = load(&conversion);
         let policy = policies.get("d-remote_address").unwrap();
         assert_eq!(policy.key, [KeyPart::ClientIp { trusted_hops: 0 }]);
-        assert_eq!(conversion.differences.len(), 1);
+        assert_eq!(
+            conversion.differences.len(),
+            3,
+            "{:?}",
+            conversion.differences
+        );
         assert!(conversion.differences[0].reason.contains(
             "is `50.0.0.5`, which ratelimit gives to the more specific `d.remote_address_50.0.0.5`"
         ));
+    }
+
+    /// The `when` conditions of the one converted policy, as written.
+    fn when_of(conversion: &Conversion, name: &str) -> serde_json::Value {
+        let policy = conversion
+            .document
+            .policies
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no {name}: {:?}", conversion.skipped));
+        serde_json::to_value(&policy.when).unwrap()
+    }
+
+    #[test]
+    fn fixed_header_values_and_prefixes_become_when_conditions() {
+        let conversion = convert(
+            &files(&["domain: d\ndescriptors:\n  - key: database\n    value: users\n    rate_limit: {unit: second, requests_per_unit: 500}\n  - key: message_type\n    value: marketing\n    descriptors:\n      - key: to_number\n        rate_limit: {unit: day, requests_per_unit: 5}\n  - key: k\n    value: v*\n    rate_limit: {unit: minute, requests_per_unit: 20}\n  - key: k\n    value: \"*\"\n    rate_limit: {unit: minute, requests_per_unit: 30}\n  - key: a\n    value: x\n    descriptors:\n      - key: a\n        value: y\n        rate_limit: {unit: minute, requests_per_unit: 1}\n"]),
+            &options(&[("message_type", "X-Message-Type")]),
+        );
+        assert_eq!(
+            when_of(&conversion, "d-database_users"),
+            serde_json::json!([{ "header": "database", "equals": "users" }])
+        );
+        assert_eq!(
+            when_of(&conversion, "d-message_type_marketing-to_number"),
+            serde_json::json!([{ "header": "x-message-type", "equals": "marketing" }])
+        );
+        assert_eq!(
+            when_of(&conversion, "d-k_v_"),
+            serde_json::json!([{ "header": "k", "prefix": "v" }])
+        );
+        assert_eq!(
+            when_of(&conversion, "d-k__"),
+            serde_json::json!([{ "header": "k", "present": true }])
+        );
+        // Two levels that want different values of one header never hold together.
+        assert_eq!(conversion.skipped.len(), 1);
+        assert!(conversion.skipped[0].reasons[0].contains("contradicts"));
+        // As the filter loads them: a fixed value alone is one bucket, the conditions decide.
+        let policies = load(&conversion);
+        let users = policies.get("d-database_users").unwrap();
+        assert!(matches!(users.key[..], [KeyPart::Constant(_)]));
+        let marketing = policies.get("d-message_type_marketing-to_number").unwrap();
+        assert_eq!(marketing.key, [KeyPart::Header("to_number".into())]);
+        assert!(marketing.when[0].test.holds(Some(b"marketing")));
+        assert!(!marketing.when[0].test.holds(Some(b"transactional")));
+        let read = &conversion.converted[1].reads[0];
+        assert_eq!(read.entry, "`message_type` = `marketing`");
+        assert!(
+            read.from
+                .starts_with("when header `x-message-type` equals `marketing`"),
+            "{read:?}"
+        );
+        assert!(!read.assumed);
+    }
+
+    #[test]
+    fn a_client_address_value_becomes_a_cidr_condition_on_the_same_address() {
+        let conversion = convert(
+            &files(&["domain: d\ndescriptors:\n  - key: remote_address\n    value: 2001:db8::7\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 3}\n"]),
+            &Options {
+                trusted_hops: 2,
+                ..options(&[("user", "x-user")])
+            },
+        );
+        assert_eq!(
+            when_of(&conversion, "d-remote_address_2001_db8__7-user"),
+            serde_json::json!([{ "client_ip": { "trusted_hops": 2 }, "cidr": ["2001:db8::7"] }])
+        );
+        let policies = load(&conversion);
+        let test = &policies.policies[0].when[0].test;
+        assert!(test.holds_ip(Some("2001:db8::7".parse().unwrap())));
+        assert!(!test.holds_ip(Some("2001:db8::8".parse().unwrap())));
+    }
+
+    #[test]
+    fn when_flags_convert_header_value_match_entries() {
+        let (key, value, plan) =
+            parse_when(r#"header_match=premium={"header":"x-plan","equals":"premium"}"#).unwrap();
+        let (_, _, region) =
+            parse_when(r#"header_match=premium={"header":"x-region","prefix":"eu-"}"#).unwrap();
+        let mut options = options(&[("user", "x-user")]);
+        options.conditions.insert((key, value), vec![plan, region]);
+        let conversion = convert(
+            &files(&["domain: d\ndescriptors:\n  - key: header_match\n    value: premium\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 300}\n  - key: header_match\n    value: basic\n    rate_limit: {unit: minute, requests_per_unit: 30}\n"]),
+            &options,
+        );
+        assert_eq!(
+            when_of(&conversion, "d-header_match_premium-user"),
+            serde_json::json!([
+                { "header": "x-plan", "equals": "premium" },
+                { "header": "x-region", "prefix": "eu-" }
+            ])
+        );
+        // Only the values given are converted.
+        assert_eq!(conversion.skipped.len(), 1);
+        assert_eq!(conversion.skipped[0].descriptor, "d.header_match_basic");
+        load(&conversion);
+        for bad in [
+            "header_match=premium",
+            "=premium={\"header\":\"x\",\"present\":true}",
+            "header_match={\"header\":\"x\",\"present\":true}",
+            "header_match=premium={\"header\":\"x\",\"startswith\":\"a\"}",
+            "header_match=premium={not json}",
+        ] {
+            assert!(parse_when(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
