@@ -20,6 +20,12 @@ impl Engine {
             let Some(route) = policy.match_request(&facts.host, &facts.method, &facts.path) else {
                 continue;
             };
+            if let Some(tag) = &policy.tag {
+                // Removed from every request the policy matches, whatever it decides.
+                if !plan.tag_headers.contains(tag) {
+                    plan.tag_headers.push(tag.clone());
+                }
+            }
             let anonymous = policy.on_missing_key == OnMissingKey::Anonymous;
             let key = match build_key(policy, route.route, facts, source, anonymous) {
                 PolicyKey::Key(key) => key,
