@@ -13,7 +13,7 @@
 //! degraded route, nor keeps a request over the limit on the normal one.
 
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate::{self, envoy_config};
+use tollgate_e2e::tollgate::{self, envoy_config, Limiter, Store};
 use tollgate_e2e::{send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
 const TAG: &str = "x-tollgate-over-limit";
@@ -43,12 +43,35 @@ const TAGGED_ROUTES: &str = "              - match:
               - match: { prefix: \"/\" }
                 route: { cluster: demo_upstream }";
 
-/// `envoy/local.yaml` with `POLICY`, the two routes and a second cluster for `degraded`.
-fn config(build: Build, upstream: &Upstream, degraded: &Upstream) -> String {
-    let rendered = envoy_config("envoy/local.yaml", POLICY, upstream.port(), None);
+/// The same policy on the global stage: one lease per request (`lease_max: 1`), so a request
+/// waits for the limiter and is let go on (tagged) by the worker that received the answer.
+const GLOBAL_POLICY: &str = r#"{
+  "policies": [{
+    "name": "bulk",
+    "match": { "hosts": ["api.example.com"] },
+    "key": [{ "header": "x-tenant-id" }],
+    "rate": { "units": 1, "per": "1h" },
+    "burst": 3,
+    "scope": "global",
+    "on_unavailable": { "mode": "closed" },
+    "on_over_limit": { "action": "tag" }
+  }],
+  "limiter": { "cluster": "tollgate_limiter", "timeout": "2s", "lease_max": 1 }
+}"#;
+
+/// A shipped config with `policy`, the two routes and a second cluster for `degraded`.
+fn config(
+    build: Build,
+    shipped: &str,
+    policy: &str,
+    upstream: &Upstream,
+    degraded: &Upstream,
+    limiter_port: Option<u16>,
+) -> String {
+    let rendered = envoy_config(shipped, policy, upstream.port(), limiter_port);
     assert!(
         rendered.contains(SHIPPED_ROUTE),
-        "envoy/local.yaml's route changed"
+        "{shipped}'s route changed"
     );
     let degraded_cluster = format!(
         "
@@ -65,7 +88,7 @@ fn config(build: Build, upstream: &Upstream, degraded: &Upstream) -> String {
 ",
         degraded.port()
     );
-    let with_routes = rendered.replace(SHIPPED_ROUTE, TAGGED_ROUTES);
+    let with_routes = rendered.replacen(SHIPPED_ROUTE, TAGGED_ROUTES, 1);
     build.config(format!("{}{degraded_cluster}", with_routes.trim_end()))
 }
 
@@ -87,9 +110,16 @@ async fn over_the_limit_requests_take_the_degraded_route(build: Build) {
     let upstream = Upstream::start();
     let degraded = Upstream::start();
     let envoy = Envoy::start(
-        EnvoyOptions::new(config(build, &upstream, &degraded))
-            .concurrency(2)
-            .log_level("warn"),
+        EnvoyOptions::new(config(
+            build,
+            "envoy/local.yaml",
+            POLICY,
+            &upstream,
+            &degraded,
+            None,
+        ))
+        .concurrency(2)
+        .log_level("warn"),
     );
     let port = envoy.listener_port("ingress");
 
@@ -138,7 +168,48 @@ async fn over_the_limit_requests_take_the_degraded_route(build: Build) {
     );
 }
 
+async fn a_request_that_waited_for_the_limiter_is_tagged_when_resumed(build: Build) {
+    let upstream = Upstream::start();
+    let degraded = Upstream::start();
+    let limiter = Limiter::start(GLOBAL_POLICY, Store::Memory, &[]);
+    limiter.wait_ready();
+    let envoy = Envoy::start(
+        EnvoyOptions::new(config(
+            build,
+            "envoy/global.yaml",
+            GLOBAL_POLICY,
+            &upstream,
+            &degraded,
+            Some(limiter.port()),
+        ))
+        .concurrency(2)
+        .log_level("warn"),
+    );
+    let port = envoy.listener_port("ingress");
+    for _ in 0..3 {
+        assert_eq!(send(port, request("acme")).await.status, 200);
+    }
+    assert_eq!((upstream.requests(), degraded.requests()), (3, 0));
+    // The fourth asks the limiter, which grants nothing: the request is tagged when the
+    // answer lets it go on, and takes the degraded route; so do the ones after it.
+    for _ in 0..4 {
+        let response = send(port, request("acme").header(TAG, "none")).await;
+        assert_eq!(response.status, 200, "{}", response.body);
+    }
+    assert_eq!((upstream.requests(), degraded.requests()), (3, 4));
+    assert_eq!(tag_values(&degraded.last_headers()), vec!["bulk"]);
+    let text = envoy.stats_prometheus();
+    assert_eq!(
+        tollgate::prometheus_value(&text, "tollgate_tagged{policy=\"bulk\"}"),
+        4.0
+    );
+    assert!(tollgate::prometheus_value(&text, "tollgate_lease_requests{policy=\"bulk\"}") >= 4.0);
+}
+
 tollgate_e2e::both_builds!(
-    async: [over_the_limit_requests_take_the_degraded_route],
+    async: [
+        over_the_limit_requests_take_the_degraded_route,
+        a_request_that_waited_for_the_limiter_is_tagged_when_resumed,
+    ],
     sync: [],
 );
