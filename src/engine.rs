@@ -51,6 +51,9 @@ pub enum Outcome {
     FallbackDenied,
     /// The key has `max_in_flight` requests in flight already.
     InFlightDenied,
+    /// Over the limit of an `on_over_limit: tag` policy: let on with the policy's tag header,
+    /// nothing taken.
+    Tagged,
 }
 
 /// A policy that applies to the request, with its bucket and cost.
@@ -100,6 +103,12 @@ pub struct Plan {
     /// Refused before any bucket (identity missing): a refused request consumes nothing.
     pub refused: Option<LocalReply>,
     pub early_outcomes: Vec<(usize, Outcome)>,
+    /// The tag headers of the `tag` policies the request matches (each once): a client's copy
+    /// is removed before the request goes on.
+    pub tag_headers: Vec<String>,
+    /// Decided after the request headers went on (a cost read from the body): Envoy has
+    /// chosen the route, so a `tag` policy over its limit refuses (429) instead.
+    pub after_headers: bool,
 }
 
 impl Plan {
@@ -183,6 +192,9 @@ pub struct Decision {
     pub verdict: Verdict,
     /// Headers to add to the upstream's response (`ratelimit_headers_on_allow`).
     pub response_headers: Vec<(String, String)>,
+    /// With [`Verdict::Continue`]: request headers to set before the request goes on (a tag
+    /// header naming the `tag` policies over their limit, comma-separated).
+    pub request_headers: Vec<(String, String)>,
     /// Per policy (index into `Policies::policies`): what it decided.
     pub outcomes: Vec<(usize, Outcome)>,
     /// Set when the local table could not decide.
@@ -211,6 +223,7 @@ impl Decision {
         Self {
             verdict: Verdict::Continue,
             response_headers: Vec::new(),
+            request_headers: Vec::new(),
             outcomes: Vec::new(),
             table_error: None,
             evictions: 0,
@@ -398,3 +411,6 @@ mod settle_tests;
 
 #[cfg(test)]
 mod algorithm_tests;
+
+#[cfg(test)]
+mod tag_tests;

@@ -272,8 +272,12 @@ impl Host for RootHost {
         .map_err(|status| format!("dispatch to cluster `{}` refused: {status:?}", self.cluster))
     }
 
-    fn resume(&self, context_id: u32) -> bool {
+    fn resume(&self, context_id: u32, request_headers: &[(String, String)]) -> bool {
         let done = hostcalls::set_effective_context(context_id).is_ok()
+            && request_headers.iter().all(|(name, value)| {
+                // Envoy clears the route cache when a filter changes a request header.
+                hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value)).is_ok()
+            })
             && hostcalls::resume_http_request().is_ok();
         let _ = hostcalls::set_effective_context(self.root_id);
         done
@@ -457,6 +461,15 @@ impl StreamHost for HostRequest {
 
     fn add_response_header(&self, name: &str, value: &str) {
         let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+    }
+
+    fn set_request_header(&self, name: &str, value: Option<&str>) {
+        // Envoy's Wasm host clears the route cache on any change to the request headers, so
+        // the router chooses the route with this one.
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
+        if let Ok(mut cache) = self.request_headers.try_borrow_mut() {
+            *cache = None;
+        }
     }
 
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {

@@ -150,6 +150,7 @@ struct PolicyMetrics {
     units_uncharged: Option<u32>,
     usage_missing: Option<u32>,
     delayed: Option<u32>,
+    tagged: Option<u32>,
 }
 
 /// Metric ids of one VM (ids are per VM; the stats they name are shared by all workers).
@@ -256,6 +257,13 @@ impl Metrics {
                     units_uncharged: per("units_uncharged", &p.name),
                     usage_missing: per("usage_missing", &p.name),
                     delayed: per("delayed", &p.name),
+                    // Defined only for the policies that can tag (a stat per policy costs
+                    // Envoy memory).
+                    tagged: if p.tag.is_some() {
+                        per("tagged", &p.name)
+                    } else {
+                        None
+                    },
                 })
                 .collect(),
             table_full: counter("tollgate_local_table_full"),
@@ -288,6 +296,7 @@ impl Metrics {
                 Outcome::FallbackAllowed => c.fallback_allowed,
                 Outcome::FallbackDenied => c.fallback_denied,
                 Outcome::InFlightDenied => c.in_flight_denied,
+                Outcome::Tagged => c.tagged,
             };
             bump(id, 1);
         }

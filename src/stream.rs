@@ -52,6 +52,9 @@ pub trait StreamHost: RequestSource {
     /// The request body received so far (at most `max` bytes are wanted).
     fn request_body(&self, size: usize) -> Option<Vec<u8>>;
     fn add_response_header(&self, name: &str, value: &str);
+    /// Sets a request header (`None`: removes it) while the request headers are held, so
+    /// that Envoy chooses the route again with it.
+    fn set_request_header(&self, name: &str, value: Option<&str>);
     fn response_header(&self, name: &str) -> Option<Vec<u8>>;
     /// The response body chunk of this callback.
     fn response_body(&self, size: usize) -> Option<Vec<u8>>;
@@ -109,6 +112,12 @@ impl Stream {
                 })
             })
         });
+        for name in &plan.tag_headers {
+            // Only the filter sets a tag: a client's copy never reaches the route table.
+            if host.with_header(name, |value| value.is_some()) {
+                host.set_request_header(name, None);
+            }
+        }
         if plan.is_empty() {
             return Flow::Continue;
         }
@@ -151,6 +160,7 @@ impl Stream {
             None
         };
         instance.engine().read_body(&mut plan, body.as_deref());
+        plan.after_headers = true;
         self.admit(instance, host, plan)
     }
 
@@ -167,6 +177,7 @@ impl Stream {
             return Flow::Continue;
         };
         instance.engine().read_body(&mut plan, None);
+        plan.after_headers = true;
         self.admit(instance, host, plan)
     }
 
@@ -335,6 +346,9 @@ impl Stream {
             }
             Verdict::Reply(reply) => self.reply(host, &reply),
             Verdict::Continue => {
+                for (name, value) in &decision.request_headers {
+                    host.set_request_header(name, Some(value));
+                }
                 {
                     let mut admitted = self.admitted.lock();
                     admitted.response_headers = decision.response_headers;

@@ -55,8 +55,9 @@ const MAX_FLUSH_ROUNDS: usize = 4;
 pub trait Host {
     /// Sends `body` to the limiter; returns the callout token.
     fn dispatch(&self, path: &str, body: &[u8], timeout_ms: u64) -> Result<u32, String>;
-    /// Lets a paused request go on to the upstream; `false` if it is gone.
-    fn resume(&self, context_id: u32) -> bool;
+    /// Lets a paused request go on to the upstream, with `request_headers` set on it first
+    /// (tag headers: the route is chosen again); `false` if it is gone.
+    fn resume(&self, context_id: u32, request_headers: &[(String, String)]) -> bool;
     /// Answers a paused request; `false` if it is gone.
     fn reply(&self, context_id: u32, reply: &LocalReply) -> bool;
     /// Sets the root's tick period (0: off).
@@ -79,6 +80,8 @@ pub struct Ctx<'a, S: SharedData, H: Host> {
 #[derive(Debug, Default)]
 pub struct AdmittedState {
     pub response_headers: Vec<(String, String)>,
+    /// Request headers to set when a request the worker holds is resumed (tags).
+    pub request_headers: Vec<(String, String)>,
     pub admissions: Vec<Admission>,
     /// A request that waited was let go on (so its body may follow it now).
     pub resumed: bool,
@@ -323,8 +326,12 @@ impl Worker {
         due.sort_unstable();
         for (_, context_id) in due {
             if let Some(sleeper) = self.sleepers.remove(&context_id) {
-                sleeper.admitted.lock().resumed = true;
-                host.resume(context_id);
+                let request_headers = {
+                    let mut admitted = sleeper.admitted.lock();
+                    admitted.resumed = true;
+                    std::mem::take(&mut admitted.request_headers)
+                };
+                host.resume(context_id, &request_headers);
             }
         }
     }
@@ -792,10 +799,14 @@ impl Worker {
                     admitted.response_headers = decision.response_headers.clone();
                     admitted.admissions = decision.admissions.clone();
                     admitted.resumed = true;
+                    if decision.delay_ms > 0 {
+                        // Set when its turn comes.
+                        admitted.request_headers = decision.request_headers.clone();
+                    }
                 }
                 let shaped = shaped_ids(ctx.engine, &waiter.plan);
                 if decision.delay_ms == 0 {
-                    ctx.host.resume(context_id);
+                    ctx.host.resume(context_id, &decision.request_headers);
                 } else if !self.sleep(
                     context_id,
                     ctx.now_ms + decision.delay_ms,

@@ -83,7 +83,55 @@ pub struct PolicySpec {
     /// quarter more): set it to the longest a request of the routes may take.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_flight_timeout: Option<Millis>,
+    /// What a request over the limit gets: a 429 (`reject`, the default) or a request header
+    /// naming the policy, on its way upstream (`tag`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_over_limit: Option<OnOverLimitSpec>,
+    /// Whether this policy's `RateLimit-Policy`/`RateLimit` fields go on allowed responses
+    /// (default: the document's `response.ratelimit_headers_on_allow`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ratelimit_headers_on_allow: Option<bool>,
 }
+
+/// `on_over_limit`: `{"action": "reject"}` or `{"action": "tag", "header": "..."}`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct OnOverLimitSpec {
+    pub action: OverLimitAction,
+    /// `tag` only: the request header set to the names of the policies over their limit
+    /// (default [`DEFAULT_TAG_HEADER`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverLimitAction {
+    /// Refuse with 429.
+    Reject,
+    /// Let the request go on upstream with a header naming the policy (Envoy's route table
+    /// may send it to a degraded cluster).
+    Tag,
+}
+
+/// The request header a `tag` policy sets when none is named.
+pub const DEFAULT_TAG_HEADER: &str = "x-tollgate-over-limit";
+
+/// Headers a tag may not be: Envoy's own framing and routing inputs.
+const RESERVED_HEADERS: &[&str] = &[
+    "host",
+    "content-length",
+    "content-type",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "upgrade",
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-request-id",
+];
 
 /// Where a number of units is read from.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -658,6 +706,10 @@ pub struct Policy {
     pub in_flight: Option<InFlightLimit>,
     pub algorithm: Algorithm,
     pub shape: Option<Shape>,
+    /// `on_over_limit: tag`: the request header to set instead of refusing (`None`: 429).
+    pub tag: Option<String>,
+    /// This policy's `RateLimit-Policy`/`RateLimit` fields go on allowed responses.
+    pub headers_on_allow: bool,
 }
 
 /// A request matched by a policy.
@@ -814,9 +866,16 @@ fn compile(document: PolicyDocument, version: String) -> Result<Policies, Policy
                 "duplicate policy name",
             );
         }
-        if let Some(policy) = compile_policy(index, spec, &mut errors) {
+        if let Some(mut policy) = compile_policy(index, spec, &mut errors) {
+            policy.headers_on_allow = spec
+                .ratelimit_headers_on_allow
+                .unwrap_or(document.response.ratelimit_headers_on_allow);
             policies.push(policy);
         }
+    }
+    if errors.errors.is_empty() {
+        // Indices of `policies` are the document's only when every policy compiled.
+        check_tag_headers(&policies, &mut errors);
     }
     let has_global = policies.iter().any(|p| p.scope.uses_limiter());
     match &document.limiter {
@@ -1108,6 +1167,7 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         }
     };
 
+    let tag = compile_on_over_limit(spec, &at, name, errors);
     let limits = Limits::new(spec.rate.units, per_ms, burst);
     if errors.errors.len() > before {
         return None;
@@ -1133,6 +1193,9 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         in_flight,
         algorithm: algorithm?,
         shape,
+        tag,
+        // Resolved against the document's `response` by `compile`.
+        headers_on_allow: false,
     })
 }
 
@@ -1175,6 +1238,101 @@ fn compile_when(
         ordered.insert(at, c);
     }
     ordered
+}
+
+/// A tag header must not be one a policy reads: the filter removes a client's copy of it from
+/// every request its policy matches, and sets it on requests over the limit.
+fn check_tag_headers(policies: &[Policy], errors: &mut Collector) {
+    for (index, policy) in policies.iter().enumerate() {
+        let Some(tag) = &policy.tag else {
+            continue;
+        };
+        let read_by = policies.iter().find(|other| {
+            let reserve_header = other
+                .reserve
+                .as_ref()
+                .is_some_and(|r| matches!(&r.source, UnitsSource::Header(h) if h == tag));
+            reserve_header
+                || other
+                    .key
+                    .iter()
+                    .any(|part| matches!(part, KeyPart::Header(h) | KeyPart::ApiKey(h) if h == tag))
+        });
+        if let Some(other) = read_by {
+            errors.push(
+                Some(&policy.name),
+                format!("policies[{index}].on_over_limit.header"),
+                format!(
+                    "`{tag}` is read by policy `{}`: a tag header is set by the filter, \
+                     never an identity or a cost",
+                    other.name
+                ),
+            );
+        }
+    }
+}
+
+fn compile_on_over_limit(
+    spec: &PolicySpec,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<String> {
+    let on_over_limit = spec.on_over_limit.as_ref()?;
+    match on_over_limit.action {
+        OverLimitAction::Reject => {
+            if on_over_limit.header.is_some() {
+                errors.push(
+                    name,
+                    at("on_over_limit.header"),
+                    "belongs to action `tag` (a rejected request is answered 429)",
+                );
+            }
+            None
+        }
+        OverLimitAction::Tag => {
+            let header = on_over_limit
+                .header
+                .clone()
+                .unwrap_or_else(|| DEFAULT_TAG_HEADER.to_string());
+            if !is_header_name(&header) || RESERVED_HEADERS.contains(&header.as_str()) {
+                errors.push(
+                    name,
+                    at("on_over_limit.header"),
+                    format!(
+                        "`{header}` is not a lower-case header name a tag may set \
+                         ([a-z0-9._-], not {})",
+                        RESERVED_HEADERS.join(", ")
+                    ),
+                );
+                return None;
+            }
+            if !spec.enforce {
+                errors.push(
+                    name,
+                    at("on_over_limit.action"),
+                    "a shadow policy (`enforce: false`) never acts on a request: `tag` needs an \
+                     enforced policy (a tag policy refuses nothing; route tagged requests as \
+                     before to observe it)",
+                );
+                return None;
+            }
+            let from_body = matches!(
+                spec.reserve.as_ref().map(|r| &r.from),
+                Some(UnitsSourceSpec::Body(_))
+            );
+            if from_body {
+                errors.push(
+                    name,
+                    at("on_over_limit.action"),
+                    "a cost read from the request body is known after Envoy chose the route: \
+                     `tag` needs a cost known at the request headers",
+                );
+                return None;
+            }
+            Some(header)
+        }
+    }
 }
 
 const MAX_SHAPE_DELAY_MS: u64 = 30_000;

@@ -82,6 +82,12 @@ pub struct ModuleBuffer {
 }
 
 impl ModuleBuffer {
+    /// No buffer: `set_header` with it as the value removes the header.
+    pub const NULL: ModuleBuffer = ModuleBuffer {
+        ptr: std::ptr::null(),
+        length: 0,
+    };
+
     pub fn of(bytes: &[u8]) -> Self {
         Self {
             ptr: bytes.as_ptr(),
@@ -260,6 +266,8 @@ callbacks! {
     fn envoy_dynamic_module_callback_http_get_headers_size(filter: FilterEnvoyPtr, header_type: u32) -> usize;
     fn envoy_dynamic_module_callback_http_get_headers(filter: FilterEnvoyPtr, header_type: u32, result_headers: *mut EnvoyHttpHeader) -> bool;
     fn envoy_dynamic_module_callback_http_add_header(filter: FilterEnvoyPtr, header_type: u32, key: ModuleBuffer, value: ModuleBuffer) -> bool;
+    fn envoy_dynamic_module_callback_http_set_header(filter: FilterEnvoyPtr, header_type: u32, key: ModuleBuffer, value: ModuleBuffer) -> bool;
+    fn envoy_dynamic_module_callback_http_clear_route_cache(filter: FilterEnvoyPtr);
     fn envoy_dynamic_module_callback_http_send_response(filter: FilterEnvoyPtr, status_code: u32, headers: *mut ModuleHttpHeader, headers_size: usize, body: ModuleBuffer, details: ModuleBuffer);
     fn envoy_dynamic_module_callback_http_get_body_size(filter: FilterEnvoyPtr, body_type: u32) -> usize;
     fn envoy_dynamic_module_callback_http_get_body_chunks(filter: FilterEnvoyPtr, body_type: u32, result: *mut EnvoyBuffer) -> bool;

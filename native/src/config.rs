@@ -68,7 +68,8 @@ unsafe impl<T> Sync for Shared<T> {}
 
 /// What the worker decided for a request that waits or sleeps; its own hook acts on it.
 pub enum Outcome {
-    Resume,
+    /// Go on, with these request headers set first (tags).
+    Resume(Vec<(String, String)>),
     Reply(LocalReply),
 }
 
@@ -324,8 +325,8 @@ impl Host for MainHost<'_> {
         u32::try_from(id).map_err(|_| format!("callout id {id} out of range"))
     }
 
-    fn resume(&self, context_id: u32) -> bool {
-        self.settle(context_id, Outcome::Resume)
+    fn resume(&self, context_id: u32, request_headers: &[(String, String)]) -> bool {
+        self.settle(context_id, Outcome::Resume(request_headers.to_vec()))
     }
 
     fn reply(&self, context_id: u32, reply: &LocalReply) -> bool {

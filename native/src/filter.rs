@@ -101,9 +101,14 @@ impl NativeFilter {
         }
         match outcome {
             // SAFETY: `envoy` is this filter, in its own hook.
-            Some(Outcome::Resume) => unsafe {
-                abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy)
-            },
+            Some(Outcome::Resume(request_headers)) => {
+                let request = Request::new(envoy);
+                for (name, value) in &request_headers {
+                    request.set_request_header(name, Some(value));
+                }
+                // SAFETY: `envoy` is this filter, in its own hook.
+                unsafe { abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy) }
+            }
             Some(Outcome::Reply(reply)) => {
                 Request::new(envoy).send_reply(&reply);
             }
@@ -471,6 +476,25 @@ impl StreamHost for Request {
                 ModuleBuffer::of(value.as_bytes()),
             )
         };
+    }
+
+    fn set_request_header(&self, name: &str, value: Option<&str>) {
+        let value = value.map_or(ModuleBuffer::NULL, |v| ModuleBuffer::of(v.as_bytes()));
+        // The headers read so far point into the map this changes: read them again.
+        if let Ok(mut cache) = self.request_headers.try_borrow_mut() {
+            *cache = None;
+        }
+        // SAFETY: as in `header_of`; a null value removes the header (abi.h). Clearing the
+        // route cache has the router choose the route again, with the new header.
+        unsafe {
+            abi::envoy_dynamic_module_callback_http_set_header(
+                self.envoy,
+                abi::HEADER_REQUEST,
+                ModuleBuffer::of(name.as_bytes()),
+                value,
+            );
+            abi::envoy_dynamic_module_callback_http_clear_route_cache(self.envoy);
+        }
     }
 
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {

@@ -69,7 +69,14 @@ impl Engine {
                     steps.extend(items.iter().zip(records.iter_mut()).map(
                         |((m, policy), record)| self.step(policy, m, record, at, &mut scratch),
                     ));
-                    let verdict = self.combine(items, &steps, records, now_ms, &mut scratch);
+                    let verdict = self.combine(
+                        items,
+                        &steps,
+                        records,
+                        now_ms,
+                        !plan.after_headers,
+                        &mut scratch,
+                    );
                     admitted.set(matches!(verdict.0, Verdict::Continue));
                     for ((_, policy), record) in items.iter().zip(records.iter_mut()) {
                         mark_evictable(record, policy, now_ms);
@@ -175,6 +182,12 @@ impl Engine {
 
     /// Combines the steps of all enforced policies into the request's verdict; applies the
     /// spends to the records when the request is admitted.
+    ///
+    /// `reject` policies decide all-or-nothing: one over its limit refuses the request and
+    /// nothing is taken from any policy. A `tag` policy over its limit (its rate, or its
+    /// `max_in_flight`) refuses nothing: for this request it is "allowed without taking" —
+    /// nothing taken from it, no slot held — and the request goes on with its tag header
+    /// (`tags` false: the route is chosen already, so it refuses like `reject`).
     #[allow(clippy::type_complexity)]
     fn combine(
         &self,
@@ -182,8 +195,10 @@ impl Engine {
         steps: &[Step],
         records: &mut [Record],
         now_ms: u64,
+        tags: bool,
         scratch: &mut Scratch,
     ) -> (Verdict, Vec<(usize, Outcome)>, Vec<(String, String)>) {
+        let tagging = |policy: &Policy| tags && policy.tag.is_some();
         let denials: Vec<PolicyStatus<'_>> = items
             .iter()
             .zip(steps)
@@ -192,7 +207,7 @@ impl Engine {
                     remaining,
                     retry_ms,
                     ..
-                } => Some(status(policy, *remaining, *retry_ms, now_ms)),
+                } if !tagging(policy) => Some(status(policy, *remaining, *retry_ms, now_ms)),
                 _ => None,
             })
             .collect();
@@ -200,8 +215,8 @@ impl Engine {
             let outcomes = items
                 .iter()
                 .zip(steps)
-                .filter_map(|((m, _), step)| match step {
-                    Step::Deny { outcome, .. } => Some((m.index, *outcome)),
+                .filter_map(|((m, policy), step)| match step {
+                    Step::Deny { outcome, .. } if !tagging(policy) => Some((m.index, *outcome)),
                     _ => None,
                 })
                 .collect();
@@ -211,15 +226,14 @@ impl Engine {
                 Vec::new(),
             );
         }
-        if let Some(((_, policy), _)) = items
-            .iter()
-            .zip(steps)
-            .find(|(_, s)| matches!(s, Step::Busy))
-        {
+        let busy = |(&(_, policy), step): (&(&Matched, &Policy), &Step)| {
+            matches!(step, Step::Busy) && !tagging(policy)
+        };
+        if let Some(((_, policy), _)) = items.iter().zip(steps).find(|&pair| busy(pair)) {
             let outcomes = items
                 .iter()
                 .zip(steps)
-                .filter(|(_, s)| matches!(s, Step::Busy))
+                .filter(|&pair| busy(pair))
                 .map(|((m, _), _)| (m.index, Outcome::InFlightDenied))
                 .collect();
             return (
@@ -281,10 +295,28 @@ impl Engine {
             return (Verdict::Wait, Vec::new(), Vec::new());
         }
         let mut outcomes = Vec::with_capacity(items.len());
-        // Statuses only feed the headers on an admitted response.
-        let headers_on_allow = self.policies.response.ratelimit_headers_on_allow;
-        let mut statuses = Vec::with_capacity(if headers_on_allow { items.len() } else { 0 });
+        // Statuses only feed the headers on an admitted response, of the policies that send
+        // them.
+        let with_headers = items.iter().filter(|(_, p)| p.headers_on_allow).count();
+        let mut statuses = Vec::with_capacity(with_headers);
         for (((m, policy), step), record) in items.iter().zip(steps).zip(records.iter_mut()) {
+            if let (Some(header), Step::Deny { .. } | Step::Busy) = (&policy.tag, step) {
+                // Over the limit of a tag policy (the only denials left): nothing taken.
+                outcomes.push((m.index, Outcome::Tagged));
+                tag(&mut scratch.request_headers, header, &policy.name);
+                if let (
+                    true,
+                    Step::Deny {
+                        remaining,
+                        retry_ms,
+                        ..
+                    },
+                ) = (policy.headers_on_allow, step)
+                {
+                    statuses.push(status(policy, *remaining, *retry_ms, now_ms));
+                }
+                continue;
+            }
             if let Step::Allow {
                 spend,
                 outcome,
@@ -303,15 +335,15 @@ impl Engine {
                     scratch.delayed.push(m.index);
                 }
                 outcomes.push((m.index, *outcome));
-                if headers_on_allow {
+                if policy.headers_on_allow {
                     statuses.push(status(policy, *remaining, *reset_ms, now_ms));
                 }
             }
         }
-        let headers = if headers_on_allow {
-            response::allowed_headers(&statuses)
-        } else {
+        let headers = if statuses.is_empty() {
             Vec::new()
+        } else {
+            response::allowed_headers(&statuses)
         };
         (Verdict::Continue, outcomes, headers)
     }
@@ -411,6 +443,18 @@ fn give_back_steps(mut steps: Vec<Step>) {
             *s = steps;
         }
     });
+}
+
+/// Adds a policy's name to its tag header: one header per name, the names of the policies over
+/// their limit comma-separated in the document's order.
+fn tag(headers: &mut Vec<(String, String)>, header: &str, policy: &str) {
+    match headers.iter_mut().find(|(name, _)| name == header) {
+        Some((_, value)) => {
+            value.push(',');
+            value.push_str(policy);
+        }
+        None => headers.push((header.to_string(), policy.to_string())),
+    }
 }
 
 fn apply_spend(spend: &Spend, record: &mut Record) {

@@ -24,6 +24,12 @@ impl Engine {
             if !policy.when.is_empty() && !conditions_hold(policy, &route, facts, source) {
                 continue;
             }
+            if let Some(tag) = &policy.tag {
+                // Removed from every request the policy matches, whatever it decides.
+                if !plan.tag_headers.contains(tag) {
+                    plan.tag_headers.push(tag.clone());
+                }
+            }
             let anonymous = policy.on_missing_key == OnMissingKey::Anonymous;
             let key = match build_key(policy, route.route, facts, source, anonymous) {
                 PolicyKey::Key(key) => key,

@@ -75,11 +75,16 @@ pub(super) struct Scratch {
     /// The longest wait of a shaped admission, and the policies that delayed it.
     pub delay_ms: u64,
     pub delayed: Vec<usize>,
+    /// Tag headers to set on the request (see [`Decision::request_headers`]).
+    pub request_headers: Vec<(String, String)>,
 }
 
 impl Scratch {
     pub fn drain_into(self, decision: &mut Decision) {
         decision.delay_ms = decision.delay_ms.max(self.delay_ms);
+        if !self.request_headers.is_empty() {
+            decision.request_headers.extend(self.request_headers);
+        }
         if self.needs.is_empty()
             && self.returns.is_empty()
             && self.expired.is_empty()

@@ -40,7 +40,7 @@ impl Host for FakeHost {
             .push((token, path.to_string(), body.to_vec(), timeout_ms));
         Ok(token)
     }
-    fn resume(&self, context_id: u32) -> bool {
+    fn resume(&self, context_id: u32, _request_headers: &[(String, String)]) -> bool {
         self.resumed.borrow_mut().push(context_id);
         true
     }

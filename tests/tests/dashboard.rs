@@ -117,6 +117,12 @@ const METRICS: &[(&str, Kind, &[&str], Source)] = &[
         Source::Filter,
     ),
     (
+        "tollgate_tagged",
+        Kind::Counter,
+        &["policy"],
+        Source::Filter,
+    ),
+    (
         "tollgate_identity_missing",
         Kind::Counter,
         &["policy"],

@@ -403,3 +403,116 @@ fn calendar_periods_are_refused_off_fixed_windows_naming_the_field() {
         assert!(errors[0].reason.contains(reason), "{per}: {errors:?}");
     }
 }
+
+#[test]
+fn on_over_limit_tag_compiles_with_its_default_header() {
+    let policies =
+        Policies::from_json(policy(r#","on_over_limit":{"action":"tag"}"#).as_bytes()).unwrap();
+    assert_eq!(
+        policies.policies[0].tag.as_deref(),
+        Some(DEFAULT_TAG_HEADER)
+    );
+    assert_eq!(DEFAULT_TAG_HEADER, "x-tollgate-over-limit");
+    let named = policy(r#","on_over_limit":{"action":"tag","header":"x-degraded"}"#);
+    let policies = Policies::from_json(named.as_bytes()).unwrap();
+    assert_eq!(policies.policies[0].tag.as_deref(), Some("x-degraded"));
+    let reject = policy(r#","on_over_limit":{"action":"reject"}"#);
+    assert_eq!(
+        Policies::from_json(reject.as_bytes()).unwrap().policies[0].tag,
+        None
+    );
+    assert_eq!(
+        Policies::from_json(policy("").as_bytes()).unwrap().policies[0].tag,
+        None
+    );
+}
+
+#[test]
+fn on_over_limit_errors_name_the_field() {
+    let cases = [
+        (
+            r#","on_over_limit":{"action":"degrade"}"#,
+            "policies[0].on_over_limit.action",
+            "unknown variant `degrade`",
+        ),
+        (
+            r#","on_over_limit":{"action":"tag","colour":"red"}"#,
+            "policies[0].on_over_limit.colour",
+            "unknown field `colour`",
+        ),
+        (
+            r#","on_over_limit":{"action":"tag","header":"X-Over"}"#,
+            "policies[0].on_over_limit.header",
+            "not a lower-case header name",
+        ),
+        (
+            r#","on_over_limit":{"action":"tag","header":"x over"}"#,
+            "policies[0].on_over_limit.header",
+            "not a lower-case header name",
+        ),
+        (
+            r#","on_over_limit":{"action":"tag","header":"host"}"#,
+            "policies[0].on_over_limit.header",
+            "not a lower-case header name a tag may set",
+        ),
+        (
+            r#","on_over_limit":{"action":"reject","header":"x-over"}"#,
+            "policies[0].on_over_limit.header",
+            "belongs to action `tag`",
+        ),
+        (
+            r#","on_over_limit":{"action":"tag"},"enforce":false"#,
+            "policies[0].on_over_limit.action",
+            "shadow",
+        ),
+        (
+            r#","on_over_limit":{"action":"tag","header":"x-tenant-id"}"#,
+            "policies[0].on_over_limit.header",
+            "is read by policy `p`",
+        ),
+        (
+            r#","on_over_limit":{"action":"tag"},"reserve":{"from":{"body":{"field":"n"}},"default":1,"max":5}"#,
+            "policies[0].on_over_limit.action",
+            "request body",
+        ),
+        (
+            r#","ratelimit_headers_on_allow":"yes""#,
+            "policies[0].ratelimit_headers_on_allow",
+            "invalid type",
+        ),
+    ];
+    for (extra, field, reason) in cases {
+        let errors = errors_of(&policy(extra));
+        assert_eq!(errors.len(), 1, "{extra}: {errors:?}");
+        assert_eq!(errors[0].field, field, "{extra}: {errors:?}");
+        assert_eq!(errors[0].policy.as_deref(), Some("p"), "{extra}");
+        assert!(
+            errors[0].reason.contains(reason),
+            "{extra}: {}",
+            errors[0].reason
+        );
+    }
+}
+
+#[test]
+fn ratelimit_headers_on_allow_per_policy_overrides_the_document() {
+    let doc = |document: bool| {
+        format!(
+            r#"{{"policies":[
+            {{"name":"a","key":[{{"constant":"all"}}],"rate":{{"units":1,"per":"1s"}},"burst":1}},
+            {{"name":"b","key":[{{"constant":"all"}}],"rate":{{"units":1,"per":"1s"}},"burst":1,"ratelimit_headers_on_allow":true}},
+            {{"name":"c","key":[{{"constant":"all"}}],"rate":{{"units":1,"per":"1s"}},"burst":1,"ratelimit_headers_on_allow":false}}
+            ],"response":{{"ratelimit_headers_on_allow":{document}}}}}"#
+        )
+    };
+    let on = |document: bool| -> Vec<bool> {
+        Policies::from_json(doc(document).as_bytes())
+            .unwrap()
+            .policies
+            .iter()
+            .map(|p| p.headers_on_allow)
+            .collect()
+    };
+    assert_eq!(on(false), vec![false, true, false]);
+    assert_eq!(on(true), vec![true, true, false]);
+}
