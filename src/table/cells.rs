@@ -55,7 +55,8 @@ impl Cells {
         self.groups.len() * std::mem::size_of::<Mutex<Slots>>()
     }
 
-    /// Records held, and their bytes in memory (each record's size plus its heap parts).
+    /// Records held, and their bytes in memory (the room the groups hold for records, plus the
+    /// records' heap parts).
     pub fn footprint(&self) -> (usize, usize) {
         let mut records = 0;
         let mut bytes = 0;
@@ -77,13 +78,14 @@ impl Cells {
     }
 }
 
-/// Bytes a record holds on the heap.
+/// Bytes a record holds on the heap: its id and its log, by their length (a buffer's spare
+/// room depends on the records it was copied from before, not on the key).
 fn heap_bytes(record: &Record) -> usize {
-    record.id.capacity()
+    record.id.len()
         + record
             .log
             .as_ref()
-            .map_or(0, |log| log.times.capacity() * std::mem::size_of::<u64>())
+            .map_or(0, |log| log.times.len() * std::mem::size_of::<u64>())
 }
 
 /// Locks a group whatever a panic elsewhere left: a transaction changes a group's records only
@@ -269,7 +271,12 @@ impl SlotTable {
                         std::mem::swap(slot, record);
                     }
                 }
-                Spot::Append => group.push(record.clone()),
+                Spot::Append => {
+                    // A group holds what its keys need: one record's room more, not the four
+                    // a growing list would take at once.
+                    group.reserve_exact(1);
+                    group.push(record.clone());
+                }
             }
         }
         Ok(Transacted {
