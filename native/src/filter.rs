@@ -484,8 +484,9 @@ impl StreamHost for Request {
         if let Ok(mut cache) = self.request_headers.try_borrow_mut() {
             *cache = None;
         }
-        // SAFETY: as in `header_of`; a null value removes the header (abi.h). Clearing the
-        // route cache has the router choose the route again, with the new header.
+        // SAFETY: as in `header_of`; a null value removes the header (the callback's contract,
+        // as declared in `abi`). Clearing the route cache has the router choose the route
+        // again, with the new header.
         unsafe {
             abi::envoy_dynamic_module_callback_http_set_header(
                 self.envoy,

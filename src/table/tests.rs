@@ -103,7 +103,11 @@ fn open_creates_every_slot_once_and_never_overwrites() {
 #[test]
 fn exact_capacity_and_retry_after() {
     let store = MemorySharedData::default();
-    let table = open(&store, 64);
+    exact_capacity_and_retry_after_on(&open(&store, 64), &store);
+}
+
+/// A bucket of 20 at 100 per s admits four transfers of 5, then says when the next fits.
+fn exact_capacity_and_retry_after_on(table: &SlotTable, store: &MemorySharedData) {
     let l = Limits::new(100, 1_000, 20).unwrap();
     let charge = [Charge {
         bucket_id: "p:tenant",
@@ -111,20 +115,24 @@ fn exact_capacity_and_retry_after() {
         cost: 5,
     }];
     for i in 0..4 {
-        let c = table.charge(&store, &charge, 1_000).unwrap();
+        let c = table.charge(store, &charge, 1_000).unwrap();
         assert!(c.allowed, "charge {i}");
     }
-    let denied = table.charge(&store, &charge, 1_000).unwrap();
+    let denied = table.charge(store, &charge, 1_000).unwrap();
     assert!(!denied.allowed);
     assert_eq!(denied.retry_ms[0], 50);
     // Time passes: 50 ms later the next transfer fits again.
-    assert!(table.charge(&store, &charge, 1_050).unwrap().allowed);
+    assert!(table.charge(store, &charge, 1_050).unwrap().allowed);
 }
 
 #[test]
 fn all_or_nothing_across_buckets() {
     let store = MemorySharedData::default();
-    let table = open(&store, 64);
+    all_or_nothing_on(&open(&store, 64), &store);
+}
+
+/// Two buckets charged together: a denial by the narrow one takes nothing from the wide one.
+fn all_or_nothing_on(table: &SlotTable, store: &MemorySharedData) {
     let wide = limits(10);
     let narrow = limits(2);
     let both = [
@@ -139,18 +147,40 @@ fn all_or_nothing_across_buckets() {
             cost: 1,
         },
     ];
-    assert!(table.charge(&store, &both, 0).unwrap().allowed);
-    assert!(table.charge(&store, &both, 0).unwrap().allowed);
-    let denied = table.charge(&store, &both, 0).unwrap();
+    assert!(table.charge(store, &both, 0).unwrap().allowed);
+    assert!(table.charge(store, &both, 0).unwrap().allowed);
+    let denied = table.charge(store, &both, 0).unwrap();
     assert!(!denied.allowed);
     assert_eq!(denied.retry_ms[0], 0);
     assert!(denied.retry_ms[1] > 0);
     // The denial took nothing from the tenant-wide bucket: 8 left.
     let only_wide = [both[0]];
     for _ in 0..8 {
-        assert!(table.charge(&store, &only_wide, 0).unwrap().allowed);
+        assert!(table.charge(store, &only_wide, 0).unwrap().allowed);
     }
-    assert!(!table.charge(&store, &only_wide, 0).unwrap().allowed);
+    assert!(!table.charge(store, &only_wide, 0).unwrap().allowed);
+}
+
+/// Charges 10,000 fresh tenants once each in a table of 16 slots: (admitted, refused as
+/// full). A fresh tenant denied would share another's state.
+fn fill_with_fresh_tenants(table: &SlotTable, store: &MemorySharedData) -> (usize, usize) {
+    let l = limits(3);
+    let (mut allowed, mut full) = (0, 0);
+    for tenant in 0..10_000 {
+        let id = format!("p:{tenant}");
+        let charge = [Charge {
+            bucket_id: &id,
+            limits: &l,
+            cost: 1,
+        }];
+        match table.charge(store, &charge, 0) {
+            Ok(c) if c.allowed => allowed += 1,
+            Ok(_) => panic!("a fresh tenant was denied: it shares state"),
+            Err(TableError::Full) => full += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    (allowed, full)
 }
 
 #[test]
@@ -217,23 +247,7 @@ fn keys_never_share_a_slot_and_memory_is_bounded() {
     let store = MemorySharedData::default();
     let table = open(&store, 16);
     let bytes_before = store.bytes();
-    let l = limits(3);
-    let mut full = 0;
-    let mut allowed = 0;
-    for tenant in 0..10_000 {
-        let id = format!("p:{tenant}");
-        let charge = [Charge {
-            bucket_id: &id,
-            limits: &l,
-            cost: 1,
-        }];
-        match table.charge(&store, &charge, 0) {
-            Ok(c) if c.allowed => allowed += 1,
-            Ok(_) => panic!("a fresh tenant was denied: it shares state"),
-            Err(TableError::Full) => full += 1,
-            Err(e) => panic!("{e:?}"),
-        }
-    }
+    let (allowed, full) = fill_with_fresh_tenants(&table, &store);
     // 16 slots hold 16 live buckets; every other tenant finds the table full.
     assert_eq!(allowed, 16);
     assert_eq!(full, 10_000 - 16);
@@ -1305,42 +1319,8 @@ fn cells_hold_exact_capacity_and_decide_all_or_nothing() {
     let store = MemorySharedData::default();
     let (table, cells) = open_in_cells(&store, 64, &[]);
     assert_eq!(store.entries(), 1, "the store holds only the salt");
-    let l = Limits::new(100, 1_000, 20).unwrap();
-    let charge = [Charge {
-        bucket_id: "p:tenant",
-        limits: &l,
-        cost: 5,
-    }];
-    for i in 0..4 {
-        assert!(table.charge(&store, &charge, 1_000).unwrap().allowed, "{i}");
-    }
-    let denied = table.charge(&store, &charge, 1_000).unwrap();
-    assert!(!denied.allowed);
-    assert_eq!(denied.retry_ms[0], 50);
-    assert!(table.charge(&store, &charge, 1_050).unwrap().allowed);
-
-    let wide = limits(10);
-    let narrow = limits(2);
-    let both = [
-        Charge {
-            bucket_id: "tenant-wide:acme",
-            limits: &wide,
-            cost: 1,
-        },
-        Charge {
-            bucket_id: "route:acme",
-            limits: &narrow,
-            cost: 1,
-        },
-    ];
-    assert!(table.charge(&store, &both, 0).unwrap().allowed);
-    assert!(table.charge(&store, &both, 0).unwrap().allowed);
-    assert!(!table.charge(&store, &both, 0).unwrap().allowed);
-    // The denial took nothing from the tenant-wide bucket: 8 left.
-    for _ in 0..8 {
-        assert!(table.charge(&store, &both[..1], 0).unwrap().allowed);
-    }
-    assert!(!table.charge(&store, &both[..1], 0).unwrap().allowed);
+    exact_capacity_and_retry_after_on(&table, &store);
+    all_or_nothing_on(&table, &store);
     assert_eq!(cells.records().len(), 3);
     assert_eq!(store.entries(), 1, "a record reached the store");
 }
@@ -1349,22 +1329,7 @@ fn cells_hold_exact_capacity_and_decide_all_or_nothing() {
 fn cells_never_share_a_slot_and_hold_at_most_the_configured_records() {
     let store = MemorySharedData::default();
     let (table, cells) = open_in_cells(&store, 16, &[]);
-    let l = limits(3);
-    let (mut allowed, mut full) = (0, 0);
-    for tenant in 0..10_000 {
-        let id = format!("p:{tenant}");
-        let charge = [Charge {
-            bucket_id: &id,
-            limits: &l,
-            cost: 1,
-        }];
-        match table.charge(&store, &charge, 0) {
-            Ok(c) if c.allowed => allowed += 1,
-            Ok(_) => panic!("a fresh tenant was denied: it shares state"),
-            Err(TableError::Full) => full += 1,
-            Err(e) => panic!("{e:?}"),
-        }
-    }
+    let (allowed, full) = fill_with_fresh_tenants(&table, &store);
     assert_eq!(allowed, 16);
     assert_eq!(full, 10_000 - 16);
     let records = cells.records();
