@@ -138,6 +138,24 @@ fn decode_chunked(mut data: &[u8]) -> std::result::Result<Vec<u8>, String> {
     }
 }
 
+/// Sends `request` as raw bytes on a fresh connection to `127.0.0.1:<port>` (hostile header
+/// bytes go out exactly as given) and returns the status code of the answer (0 if none could
+/// be read). Panics on a connection or I/O error: a test helper.
+pub fn raw_status(port: u16, request: &[u8]) -> u16 {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("read timeout");
+    stream.write_all(request).expect("write the request");
+    let mut buf = [0u8; 512];
+    let n = stream.read(&mut buf).expect("read the answer");
+    let head = String::from_utf8_lossy(&buf[..n]);
+    head.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,9 +14,7 @@
 //! crashes the filter nor changes which value decides; a bad condition stops the load with its
 //! field named.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::time::Duration;
+use tollgate_e2e::http_blocking::raw_status;
 
 use tollgate_e2e::build::Build;
 use tollgate_e2e::tollgate::{self, envoy_config};
@@ -163,22 +161,6 @@ async fn a_route_parameter_regex_and_a_client_cidr_decide_as_written(build: Buil
     assert_eq!(metric(&envoy, "denied", "from-loopback"), 8);
     assert_eq!(metric(&envoy, "allowed", "from-private"), 0);
     assert_eq!(metric(&envoy, "denied", "from-private"), 0);
-}
-
-/// Sends raw bytes as one HTTP/1.1 request (`connection: close`) and returns the status code.
-fn raw_status(port: u16, request: &[u8]) -> u16 {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    stream.write_all(request).unwrap();
-    let mut buf = [0u8; 512];
-    let n = stream.read(&mut buf).unwrap();
-    let head = String::from_utf8_lossy(&buf[..n]);
-    head.split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0)
 }
 
 /// A request for `/items/{n}` of tenant `acme` with these extra header lines.

@@ -10,9 +10,7 @@
 //! upstream, on loopback. Every test runs against both builds (`wasm::…` loads
 //! `tollgate.wasm`, `native::…` the dynamic module `libtollgate_native.so`).
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::time::Duration;
+use tollgate_e2e::http_blocking::raw_status;
 
 use serde_json::Value;
 use tollgate_e2e::build::Build;
@@ -239,22 +237,6 @@ fn a_bad_policy_is_refused_with_the_field_named(build: Build) {
     )
     .expect_err("Envoy started with an unknown field");
     assert!(error.to_string().contains("brust"), "{error}");
-}
-
-/// Sends raw bytes as one HTTP/1.1 request and returns the status code.
-fn raw_status(port: u16, request: &[u8]) -> u16 {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    stream.write_all(request).unwrap();
-    let mut buf = [0u8; 512];
-    let n = stream.read(&mut buf).unwrap();
-    let head = String::from_utf8_lossy(&buf[..n]);
-    head.split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0)
 }
 
 async fn hostile_identities_neither_crash_the_filter_nor_merge_tenants(build: Build) {
