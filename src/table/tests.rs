@@ -1192,16 +1192,29 @@ fn a_reload_that_moves_keys_keeps_or_restarts_each_keys_state_never_mixes_it() {
         }
     }
     assert!(kept > 0 && fresh > 0, "kept {kept}, fresh {fresh}");
-    let records = all_records(&store, &new);
-    for (i, key) in keys.iter().enumerate() {
+    each_key_holds_what_it_was_charged(&all_records(&store, &new), &keys, &charged);
+}
+
+/// After a reload with live traffic on both layouts: every key has one or two records (kept,
+/// or left behind and started fresh), whose units spent (of a bucket of 100) add up to what
+/// the key was charged. Returns how many keys hold two (moved by the new layout).
+fn each_key_holds_what_it_was_charged(
+    records: &[(u32, Record)],
+    keys: &[String],
+    charged: &[u64],
+) -> usize {
+    let mut moved = 0;
+    for (key, charged) in keys.iter().zip(charged) {
         let held: Vec<_> = records.iter().filter(|(_, r)| r.id == *key).collect();
         assert!(!held.is_empty() && held.len() <= 2, "{key}: {held:?}");
+        moved += usize::from(held.len() == 2);
         let spent: f64 = held
             .iter()
             .map(|(_, r)| 100.0 - r.bucket.unwrap().tokens)
             .sum();
-        assert!((spent - charged[i] as f64).abs() < 0.01, "{key}: {spent}");
+        assert!((spent - *charged as f64).abs() < 0.01, "{key}: {spent}");
     }
+    moved
 }
 
 /// A record with every part set (bucket, lease, in-flight slots, counters, log).
@@ -1542,18 +1555,7 @@ fn cells_shared_by_a_reload_keep_or_restart_each_keys_state_never_mix_it() {
             *total += cost(i);
         }
     }
-    let records = cells.records();
-    let mut moved = 0;
-    for (i, key) in keys.iter().enumerate() {
-        let held: Vec<_> = records.iter().filter(|(_, r)| r.id == *key).collect();
-        assert!(!held.is_empty() && held.len() <= 2, "{key}: {held:?}");
-        moved += usize::from(held.len() == 2);
-        let spent: f64 = held
-            .iter()
-            .map(|(_, r)| 100.0 - r.bucket.unwrap().tokens)
-            .sum();
-        assert!((spent - charged[i] as f64).abs() < 0.01, "{key}: {spent}");
-    }
+    let moved = each_key_holds_what_it_was_charged(&cells.records(), &keys, &charged);
     assert!(
         moved > 0,
         "the new layout moved no key: the test shows nothing"
