@@ -23,8 +23,24 @@ pub const MAX_KEY_BYTES: usize = MAX_PARTS * (MAX_PART_BYTES + 1);
 /// `!` is outside the escaped alphabet, so no real identity can produce it.
 pub const ANONYMOUS_PART: &str = "!anonymous";
 
+/// Bytes kept as they are in a key part, one flag per byte value (every key part of every
+/// request is checked byte by byte: a table lookup, not a chain of range tests). Built at
+/// compile time, where an index out of range fails the build.
+#[allow(clippy::indexing_slicing)]
+const PLAIN: [bool; 256] = {
+    let mut plain = [false; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        let b = byte as u8;
+        plain[byte] = b.is_ascii_alphanumeric()
+            || matches!(b, b'-' | b'.' | b'_' | b'~' | b'@' | b'+' | b'=');
+        byte += 1;
+    }
+    plain
+};
+
 fn is_plain(byte: u8) -> bool {
-    byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~' | b'@' | b'+' | b'=')
+    PLAIN.get(usize::from(byte)).copied().unwrap_or(false)
 }
 
 /// Escapes one identity part: safe bytes stay, others become `%XX`; too long → `#` + digest.
@@ -38,6 +54,15 @@ pub fn escape_part(raw: &[u8]) -> String {
 
 /// [`escape_part`] appended to `out`: the filter builds a whole key in one buffer.
 pub fn escape_part_into(out: &mut String, raw: &[u8]) {
+    // The common case: a short part of plain (ASCII) bytes only, copied as it is.
+    if raw.len() <= MAX_PART_BYTES && raw.iter().all(|b| is_plain(*b)) {
+        // Plain bytes are ASCII: pushed as chars, with no UTF-8 check.
+        out.reserve(raw.len());
+        for &byte in raw {
+            out.push(char::from(byte));
+        }
+        return;
+    }
     let escaped_len: usize = raw.iter().map(|b| if is_plain(*b) { 1 } else { 3 }).sum();
     if escaped_len > MAX_PART_BYTES {
         out.push('#');

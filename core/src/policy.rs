@@ -661,16 +661,23 @@ impl HostPattern {
 /// Lower-cased host of an `:authority` value, without port.
 pub fn authority_host(authority: &str) -> Cow<'_, str> {
     let authority = authority.trim();
-    let host = if let Some(rest) = authority.strip_prefix('[') {
-        rest.split(']').next().unwrap_or(rest)
+    // Searched as bytes (`[`, `]` and `:` are ASCII, so every position found is a char
+    // boundary): this runs on every request.
+    let bytes = authority.as_bytes();
+    let host = if bytes.first() == Some(&b'[') {
+        let end = bytes.iter().position(|b| *b == b']').unwrap_or(bytes.len());
+        authority.get(1..end).unwrap_or_default()
     } else {
-        authority.rsplit_once(':').map_or(authority, |(h, port)| {
-            if port.bytes().all(|b| b.is_ascii_digit()) {
-                h
-            } else {
-                authority
+        match bytes.iter().rposition(|b| *b == b':') {
+            Some(colon)
+                if bytes
+                    .get(colon + 1..)
+                    .is_some_and(|port| port.iter().all(u8::is_ascii_digit)) =>
+            {
+                authority.get(..colon).unwrap_or(authority)
             }
-        })
+            _ => authority,
+        }
     };
     // Borrowed as it is when already lower-case (what clients send): no copy per request.
     if host.bytes().any(|b| b.is_ascii_uppercase()) {

@@ -96,17 +96,35 @@ impl RouteTemplate {
                 return false;
             }
         }
-        let Some(mut pieces) = request_segments(path) else {
+        // The pieces `request_segments` gives, walked in place (one pass over the path, as
+        // every policy's templates are tried on every request).
+        let Some(path) = normalize_path(path) else {
             return false;
         };
-        for segment in &self.segments {
-            match (segment, pieces.next()) {
-                (Segment::Literal(lit), Some(piece)) if lit.as_bytes() == piece => {}
-                (Segment::Param(_), Some(piece)) if !piece.is_empty() => {}
-                _ => return false,
-            }
+        let body = path.strip_prefix('/').unwrap_or(path);
+        let mut rest = body.strip_suffix('/').unwrap_or(body).as_bytes();
+        if rest.is_empty() {
+            return self.segments.is_empty();
         }
-        pieces.next().is_none()
+        for (i, segment) in self.segments.iter().enumerate() {
+            if i > 0 {
+                match rest.split_first() {
+                    Some((b'/', after)) => rest = after,
+                    _ => return false,
+                }
+            }
+            let end = rest.iter().position(|b| *b == b'/').unwrap_or(rest.len());
+            let (piece, after) = rest.split_at(end);
+            let fits = match segment {
+                Segment::Literal(lit) => lit.as_bytes() == piece,
+                Segment::Param(_) => !piece.is_empty(),
+            };
+            if !fits {
+                return false;
+            }
+            rest = after;
+        }
+        rest.is_empty()
     }
 
     /// Position of the `{name}` parameter among the template's segments (what
@@ -242,5 +260,31 @@ mod tests {
         assert_eq!(normalize_path("/a?b#c"), Some("/a"));
         assert_eq!(normalize_path("*"), None);
         assert_eq!(normalize_path(&"/a".repeat(3000)), None);
+    }
+
+    /// The matcher walks the path in place; it decides as the pieces of
+    /// `request_segments` (what `path_segment` reads parameters from) say, for any path.
+    fn by_pieces(t: &RouteTemplate, path: &str) -> bool {
+        let Some(mut pieces) = request_segments(path) else {
+            return false;
+        };
+        for segment in &t.segments {
+            match (segment, pieces.next()) {
+                (Segment::Literal(lit), Some(piece)) if lit.as_bytes() == piece => {}
+                (Segment::Param(_), Some(piece)) if !piece.is_empty() => {}
+                _ => return false,
+            }
+        }
+        pieces.next().is_none()
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn walking_the_path_matches_as_its_pieces_do(path in "[/ab?{}]{0,12}") {
+            for text in ["/", "/a", "/a/b", "/a/{p}", "/{p}/b", "/{p}", "/{p}/{q}", "/a/b/{p}"] {
+                let t = RouteTemplate::parse(text).unwrap();
+                proptest::prop_assert_eq!(t.matches("GET", &path), by_pieces(&t, &path), "{} {}", text, path);
+            }
+        }
     }
 }

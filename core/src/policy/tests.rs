@@ -193,6 +193,20 @@ fn hosts_match_with_wildcards_and_ports() {
         .match_request(&authority_host("api.OTHER.org"), "GET", "/x")
         .is_some());
     assert_eq!(authority_host("[::1]:80"), "::1");
+    // The host without a numeric port, lower-cased; anything else after `:` is kept.
+    for (authority, host) in [
+        ("[::1]", "::1"),
+        ("[::1", "::1"),
+        ("[", ""),
+        ("a.com:", "a.com"),
+        ("a.com:8x", "a.com:8x"),
+        (" A.Com:80 ", "a.com"),
+        ("a:b:80", "a:b"),
+        ("", ""),
+        ("é.com:1", "é.com"),
+    ] {
+        assert_eq!(authority_host(authority), host, "{authority:?}");
+    }
     assert!(errors_of(&policy(r#","match":{"hosts":["http://x"]}"#))[0]
         .field
         .contains("match.hosts[0]"));
