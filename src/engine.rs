@@ -19,6 +19,7 @@ use crate::shared::SharedData;
 #[cfg(not(target_family = "wasm"))]
 use crate::table::Cells;
 use crate::table::{SlotTable, TableError};
+use smallvec::SmallVec;
 #[cfg(not(target_family = "wasm"))]
 use std::sync::Arc;
 use tollgate_core::policy::{LimiterSpec, Policies, Policy};
@@ -56,12 +57,19 @@ pub enum Outcome {
     Tagged,
 }
 
+/// What each policy of a request decided (index into `Policies::policies`), inline for the
+/// common one or two.
+pub type Outcomes = SmallVec<[(usize, Outcome); 2]>;
+
 /// A policy that applies to the request, with its bucket and cost.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Matched {
     pub index: usize,
-    pub key: String,
+    /// `<policy>:<key>` (`tollgate_core::key::local_bucket_id`): the key's record in the table.
+    /// The key is its part after the policy's name, so a request builds one string per policy.
     pub bucket_id: String,
+    /// Where the key starts in `bucket_id`.
+    key_from: usize,
     /// What the request takes at admission: the route's constant, or the reserved estimate.
     pub cost: u64,
     /// The estimate is read from the request body, which has not been seen yet: the route's
@@ -98,7 +106,7 @@ pub struct Admission {
 /// What a request needs decided; computed once, decided again after each wait.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Plan {
-    pub enforced: Vec<Matched>,
+    pub enforced: SmallVec<[Matched; 2]>,
     pub shadow: Vec<Matched>,
     /// Refused before any bucket (identity missing): a refused request consumes nothing.
     pub refused: Option<LocalReply>,
@@ -109,6 +117,34 @@ pub struct Plan {
     /// Decided after the request headers went on (a cost read from the body): Envoy has
     /// chosen the route, so a `tag` policy over its limit refuses (429) instead.
     pub after_headers: bool,
+}
+
+impl Matched {
+    /// A policy's bucket `<policy>:<key>`, the key written by `write_key` into the buffer after
+    /// `<policy>:` (`None`: it wrote nothing usable, the key is missing).
+    pub fn new(
+        index: usize,
+        policy: &str,
+        write_key: impl FnOnce(&mut String) -> bool,
+    ) -> Option<Self> {
+        let mut bucket_id = String::with_capacity(policy.len() + 48);
+        bucket_id.push_str(policy);
+        bucket_id.push(':');
+        let key_from = bucket_id.len();
+        write_key(&mut bucket_id).then_some(Matched {
+            index,
+            bucket_id,
+            key_from,
+            cost: 0,
+            from_body: None,
+            may_wait: true,
+        })
+    }
+
+    /// The policy's key for this request (the bucket id without the policy's name).
+    pub fn key(&self) -> &str {
+        self.bucket_id.get(self.key_from..).unwrap_or_default()
+    }
 }
 
 impl Plan {
@@ -196,7 +232,7 @@ pub struct Decision {
     /// header naming the `tag` policies over their limit, comma-separated).
     pub request_headers: Vec<(String, String)>,
     /// Per policy (index into `Policies::policies`): what it decided.
-    pub outcomes: Vec<(usize, Outcome)>,
+    pub outcomes: Outcomes,
     /// Set when the local table could not decide.
     pub table_error: Option<TableError>,
     pub evictions: u32,
@@ -224,7 +260,7 @@ impl Decision {
             verdict: Verdict::Continue,
             response_headers: Vec::new(),
             request_headers: Vec::new(),
-            outcomes: Vec::new(),
+            outcomes: Outcomes::new(),
             table_error: None,
             evictions: 0,
             needs: Vec::new(),
@@ -414,3 +450,6 @@ mod algorithm_tests;
 
 #[cfg(test)]
 mod tag_tests;
+
+#[cfg(test)]
+mod lone_tests;

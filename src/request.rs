@@ -57,27 +57,43 @@ pub fn build_key(
     source: &impl RequestSource,
     anonymous: bool,
 ) -> PolicyKey {
-    // One buffer for the whole key: each part escaped into it, `:` between parts (the form
-    // `join_parts` gives).
     let mut key = String::with_capacity(64);
+    if write_key(&mut key, policy, route, facts, source, anonymous) {
+        PolicyKey::Key(key)
+    } else {
+        PolicyKey::Missing
+    }
+}
+
+/// [`build_key`] appended to `key` (the plan writes it after the policy's name, so a request's
+/// bucket id takes one buffer); `false`: the key is missing, and `key` holds part of it.
+pub fn write_key(
+    key: &mut String,
+    policy: &Policy,
+    route: Option<&str>,
+    facts: &RequestFacts<'_>,
+    source: &impl RequestSource,
+    anonymous: bool,
+) -> bool {
+    // Each part escaped into the one buffer, `:` between parts (the form `join_parts` gives).
     for (i, part) in policy.key.iter().enumerate() {
         if i > 0 {
             key.push(':');
         }
         let present = match part {
-            KeyPart::Header(name) => source.with_header(name, |value| escaped(&mut key, value)),
+            KeyPart::Header(name) => source.with_header(name, |value| escaped(key, value)),
             KeyPart::ApiKey(name) => {
                 let digest = source.with_header(name, |value| {
                     value.filter(|v| !v.is_empty()).map(api_key_digest)
                 });
-                escaped(&mut key, digest.as_ref().map(|d| d.as_bytes()))
+                escaped(key, digest.as_ref().map(|d| d.as_bytes()))
             }
             KeyPart::JwtClaim { path } => {
                 let path: Vec<&str> = path.iter().map(String::as_str).collect();
-                escaped(&mut key, source.property(&path).as_deref())
+                escaped(key, source.property(&path).as_deref())
             }
             KeyPart::ClientIp { trusted_hops } => escaped(
-                &mut key,
+                key,
                 client_ip(source, *trusted_hops)
                     .map(|ip| ip.to_string().into_bytes())
                     .as_deref(),
@@ -88,24 +104,24 @@ pub fn build_key(
             }
             KeyPart::Route => match route {
                 Some(r) => {
-                    escape_part_into(&mut key, r.as_bytes());
+                    escape_part_into(key, r.as_bytes());
                     true
                 }
                 None => false,
             },
             KeyPart::Method => {
-                escape_part_into(&mut key, facts.method.as_bytes());
+                escape_part_into(key, facts.method.as_bytes());
                 true
             }
         };
         if !present {
             if !anonymous {
-                return PolicyKey::Missing;
+                return false;
             }
             key.push_str(ANONYMOUS_PART);
         }
     }
-    PolicyKey::Key(key)
+    true
 }
 
 /// Escapes a non-empty value into the key; `false` when it is absent or empty.

@@ -419,5 +419,11 @@ fn apply(
 
 /// A header value as text, borrowed when it is valid UTF-8 (absent: empty).
 fn request_text(value: Option<&[u8]>) -> Cow<'_, str> {
-    String::from_utf8_lossy(value.unwrap_or_default())
+    let value = value.unwrap_or_default();
+    // Valid text (every request line a client can route with) is checked once and borrowed;
+    // the lossy copy is only for what is not.
+    match std::str::from_utf8(value) {
+        Ok(text) => Cow::Borrowed(text),
+        Err(_) => String::from_utf8_lossy(value),
+    }
 }

@@ -3,9 +3,10 @@
 //! nothing; a lost CAS race refunds what was written), and shadow policies decided each on its
 //! own.
 
-use super::step::{ask_in_background, bucket_limits, Moment, Scratch, Spend, Step};
+use super::step::{ask_in_background, bucket_limits, local_step, Moment, Scratch, Spend, Step};
 use super::{
-    Admission, Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, Plan, Spent, Verdict,
+    Admission, Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, Outcomes, Plan, Spent,
+    Verdict,
 };
 use crate::global::DEADLINE_MARGIN_MS;
 use crate::shared::SharedData;
@@ -33,6 +34,9 @@ impl Engine {
                 let Some(policy) = self.policies.policies.get(m.index) else {
                     return;
                 };
+                if self.is_lone_local(policy) {
+                    return self.decide_lone_local(m, policy, store, now_ms, decision);
+                }
                 one_item = [(m, policy)];
                 one_id = [m.bucket_id.as_str()];
                 (&one_item, &one_id)
@@ -47,6 +51,7 @@ impl Engine {
             }
         };
         let scratch = RefCell::new(Scratch::default());
+        let attempts = Cell::new(0u32);
         // The steps of the latest attempt, and whether it admitted the request: what a refund
         // undoes (the spends of an admission, and the in-flight slots it took).
         let steps: RefCell<Vec<Step>> = RefCell::new(take_steps());
@@ -58,7 +63,10 @@ impl Engine {
                 now_ms,
                 |records| {
                     let mut scratch = scratch.borrow_mut();
-                    *scratch = Scratch::default();
+                    if attempts.replace(attempts.get() + 1) > 0 {
+                        // A lost race decides again: only the last attempt's work counts.
+                        *scratch = Scratch::default();
+                    }
                     let at = Moment {
                         now_ms,
                         attempt,
@@ -101,47 +109,7 @@ impl Engine {
                     if let Some(Step::Allow { spend, .. }) =
                         steps.get(index).filter(|_| admitted.get())
                     {
-                        match spend {
-                            Spend::Lease(cost) => {
-                                current.lease.tokens = current.lease.tokens.saturating_add(*cost)
-                            }
-                            Spend::Bucket(_) => {
-                                let limits = bucket_limits(policy);
-                                let taken =
-                                    before.bucket.map_or(limits.capacity(), |b| {
-                                        b.refilled(&limits, now_ms).tokens
-                                    }) - after.bucket.map_or(limits.capacity(), |b| b.tokens);
-                                let state = current
-                                    .bucket
-                                    .unwrap_or_else(|| BucketState::full(&limits, now_ms));
-                                current.bucket = Some(BucketState {
-                                    tokens: (state.tokens + taken.max(0.0)).min(limits.capacity()),
-                                    ..state
-                                });
-                            }
-                            Spend::LeaseAhead(from_tokens, ahead) => {
-                                current.lease.tokens =
-                                    current.lease.tokens.saturating_add(*from_tokens);
-                                current.lease.debt = current.lease.debt.saturating_sub(*ahead);
-                            }
-                            Spend::Counters(counted, cost) => {
-                                if let Some(c) = current.counters.as_mut() {
-                                    if c.window == counted.window {
-                                        c.count = c.count.saturating_sub(*cost);
-                                    }
-                                }
-                            }
-                            Spend::Log(logged, cost) => {
-                                if let Some(log) = current.log.as_mut() {
-                                    for _ in 0..*cost {
-                                        if log.times.last() == Some(&logged.seen_ms) {
-                                            log.times.pop();
-                                        }
-                                    }
-                                }
-                            }
-                            Spend::Nothing => {}
-                        }
+                        undo_spend(spend, policy, before, after, current, now_ms);
                     }
                 },
             );
@@ -157,7 +125,7 @@ impl Engine {
                     decision.outcomes.extend(outcomes);
                 }
                 decision.response_headers = headers;
-                scratch.into_inner().drain_into(decision);
+                scratch.borrow_mut().drain_into(decision);
             }
             Err(error) => {
                 decision.table_error = Some(error);
@@ -168,6 +136,98 @@ impl Engine {
                         decision.verdict =
                             Verdict::Reply(response::limiter_unavailable(&policy.name));
                     }
+                }
+            }
+        }
+    }
+
+    /// Whether a request whose only enforced policy is `policy` is decided by its record's
+    /// local stage alone: a local policy (or a global one without a limiter to ask) that
+    /// neither tags, sends headers on allowed answers, holds in-flight slots nor settles.
+    fn is_lone_local(&self, policy: &Policy) -> bool {
+        let local = !policy.scope.uses_limiter() || self.policies.limiter.is_none();
+        local
+            && policy.tag.is_none()
+            && !policy.headers_on_allow
+            && policy.in_flight.is_none()
+            && policy.reserve.is_none()
+            && policy.settle.is_none()
+    }
+
+    /// The common request (one enforced local policy, see [`Engine::is_lone_local`]) decided
+    /// as the general path decides it — the same [`local_step`], spend, refusal and
+    /// housekeeping — without what only several policies, a limiter or a stream end need (the
+    /// steps list, scratch lists, the combination of verdicts).
+    fn decide_lone_local(
+        &self,
+        m: &Matched,
+        policy: &Policy,
+        store: &impl SharedData,
+        now_ms: u64,
+        decision: &mut Decision,
+    ) {
+        // The step of the latest attempt: what a refund undoes (the key's group is written
+        // before its other candidates are confirmed, and a lost confirmation refunds it).
+        let last: RefCell<Option<Step>> = RefCell::new(None);
+        let result = self.table.transact(
+            store,
+            &[m.bucket_id.as_str()],
+            now_ms,
+            |records| {
+                let Some(record) = records.first_mut() else {
+                    *last.borrow_mut() = None;
+                    return Txn::Abort(());
+                };
+                let step = local_step(policy, m, record, now_ms);
+                if let Step::Allow { spend, .. } = &step {
+                    apply_spend(spend, record);
+                }
+                mark_evictable(record, policy, now_ms);
+                *last.borrow_mut() = Some(step);
+                Txn::Commit(())
+            },
+            |_, before, after, current| {
+                if let Some(Step::Allow { spend, .. }) = &*last.borrow() {
+                    undo_spend(spend, policy, before, after, current, now_ms);
+                }
+            },
+        );
+        let step = match result {
+            Ok(done) => {
+                decision.evictions += done.evictions;
+                last.into_inner()
+            }
+            Err(error) => {
+                decision.table_error = Some(error);
+                None
+            }
+        };
+        match step {
+            Some(Step::Allow {
+                outcome, delay_ms, ..
+            }) => {
+                decision.outcomes.push((m.index, outcome));
+                if delay_ms > 0 {
+                    decision.delay_ms = decision.delay_ms.max(delay_ms);
+                    decision.delayed.push(m.index);
+                }
+            }
+            Some(Step::Deny {
+                outcome,
+                remaining,
+                retry_ms,
+            }) => {
+                decision.outcomes.push((m.index, outcome));
+                decision.verdict = Verdict::Reply(response::too_many_requests(&[status(
+                    policy, remaining, retry_ms, now_ms,
+                )]));
+            }
+            // Not a local stage's answer (it never needs the limiter, nor holds slots).
+            Some(Step::Refuse | Step::Busy | Step::Need { .. }) | None => {
+                let outcome = when_table_fails(policy);
+                decision.outcomes.push((m.index, outcome));
+                if outcome == Outcome::FailClosed {
+                    decision.verdict = Verdict::Reply(response::limiter_unavailable(&policy.name));
                 }
             }
         }
@@ -197,7 +257,7 @@ impl Engine {
         now_ms: u64,
         tags: bool,
         scratch: &mut Scratch,
-    ) -> (Verdict, Vec<(usize, Outcome)>, Vec<(String, String)>) {
+    ) -> (Verdict, Outcomes, Vec<(String, String)>) {
         let tagging = |policy: &Policy| tags && policy.tag.is_some();
         let denials: Vec<PolicyStatus<'_>> = items
             .iter()
@@ -283,7 +343,7 @@ impl Engine {
                 record.lease.asked_demand_per_s = *demand_per_s;
                 scratch.needs.push(LeaseNeed {
                     policy: m.index,
-                    key: m.key.clone(),
+                    key: m.key().to_owned(),
                     bucket_id: m.bucket_id.clone(),
                     min: *min,
                     want: *want,
@@ -292,9 +352,9 @@ impl Engine {
                     asked_ms: now_ms,
                 });
             }
-            return (Verdict::Wait, Vec::new(), Vec::new());
+            return (Verdict::Wait, Outcomes::new(), Vec::new());
         }
-        let mut outcomes = Vec::with_capacity(items.len());
+        let mut outcomes = Outcomes::new();
         // Statuses only feed the headers on an admitted response, of the policies that send
         // them.
         let with_headers = items.iter().filter(|(_, p)| p.headers_on_allow).count();
@@ -411,7 +471,7 @@ impl Engine {
             Ok(done) => {
                 decision.evictions += done.evictions;
                 decision.outcomes.push((matched.index, done.value));
-                scratch.into_inner().drain_into(decision);
+                scratch.borrow_mut().drain_into(decision);
             }
             Err(error) => {
                 decision.table_error = Some(error);
@@ -454,6 +514,57 @@ fn tag(headers: &mut Vec<(String, String)>, header: &str, policy: &str) {
             value.push_str(policy);
         }
         None => headers.push((header.to_string(), policy.to_string())),
+    }
+}
+
+/// Undoes an admission's spend on the record's current value (a later write of the
+/// transaction lost a race): `before` and `after` are the record as the decision read and
+/// left it.
+fn undo_spend(
+    spend: &Spend,
+    policy: &Policy,
+    before: &Record,
+    after: &Record,
+    current: &mut Record,
+    now_ms: u64,
+) {
+    match spend {
+        Spend::Lease(cost) => current.lease.tokens = current.lease.tokens.saturating_add(*cost),
+        Spend::Bucket(_) => {
+            let limits = bucket_limits(policy);
+            let taken = before
+                .bucket
+                .map_or(limits.capacity(), |b| b.refilled(&limits, now_ms).tokens)
+                - after.bucket.map_or(limits.capacity(), |b| b.tokens);
+            let state = current
+                .bucket
+                .unwrap_or_else(|| BucketState::full(&limits, now_ms));
+            current.bucket = Some(BucketState {
+                tokens: (state.tokens + taken.max(0.0)).min(limits.capacity()),
+                ..state
+            });
+        }
+        Spend::LeaseAhead(from_tokens, ahead) => {
+            current.lease.tokens = current.lease.tokens.saturating_add(*from_tokens);
+            current.lease.debt = current.lease.debt.saturating_sub(*ahead);
+        }
+        Spend::Counters(counted, cost) => {
+            if let Some(c) = current.counters.as_mut() {
+                if c.window == counted.window {
+                    c.count = c.count.saturating_sub(*cost);
+                }
+            }
+        }
+        Spend::Log(logged, cost) => {
+            if let Some(log) = current.log.as_mut() {
+                for _ in 0..*cost {
+                    if log.times.last() == Some(&logged.seen_ms) {
+                        log.times.pop();
+                    }
+                }
+            }
+        }
+        Spend::Nothing => {}
     }
 }
 

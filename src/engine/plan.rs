@@ -6,8 +6,7 @@
 //! policy, so no client can reserve more than `reserve.max` or less than `reserve.min`.
 
 use super::{Engine, Matched, Outcome, Plan};
-use crate::request::{build_key, conditions_hold, PolicyKey, RequestFacts, RequestSource};
-use tollgate_core::key::local_bucket_id;
+use crate::request::{conditions_hold, write_key, RequestFacts, RequestSource};
 use tollgate_core::policy::{OnMissingKey, Policy, UnitsSource};
 use tollgate_core::response;
 use tollgate_core::usage::{units_from_json, units_from_text};
@@ -31,31 +30,22 @@ impl Engine {
                 }
             }
             let anonymous = policy.on_missing_key == OnMissingKey::Anonymous;
-            let key = match build_key(policy, route.route, facts, source, anonymous) {
-                PolicyKey::Key(key) => key,
-                PolicyKey::Missing => {
-                    if policy.on_missing_key == OnMissingKey::Deny {
-                        if policy.enforce {
-                            plan.early_outcomes.push((index, Outcome::IdentityMissing));
-                            if plan.refused.is_none() {
-                                plan.refused = Some(response::identity_missing(&policy.name));
-                            }
-                        } else {
-                            plan.early_outcomes.push((index, Outcome::ShadowDenied));
+            let Some(mut matched) = Matched::new(index, &policy.name, |key| {
+                write_key(key, policy, route.route, facts, source, anonymous)
+            }) else {
+                if policy.on_missing_key == OnMissingKey::Deny {
+                    if policy.enforce {
+                        plan.early_outcomes.push((index, Outcome::IdentityMissing));
+                        if plan.refused.is_none() {
+                            plan.refused = Some(response::identity_missing(&policy.name));
                         }
+                    } else {
+                        plan.early_outcomes.push((index, Outcome::ShadowDenied));
                     }
-                    continue;
                 }
+                continue;
             };
-            let (cost, from_body) = estimate(policy, route.cost, source);
-            let matched = Matched {
-                index,
-                bucket_id: local_bucket_id(&policy.name, &key),
-                key,
-                cost,
-                from_body,
-                may_wait: true,
-            };
+            (matched.cost, matched.from_body) = estimate(policy, route.cost, source);
             if policy.enforce {
                 plan.enforced.push(matched);
             } else {

@@ -226,7 +226,10 @@ fn in_flight_slots_refuse_release_and_expire() {
         "{}",
         reply.body
     );
-    assert_eq!(refused.outcomes, vec![(0, Outcome::InFlightDenied)]);
+    assert_eq!(
+        refused.outcomes.to_vec(),
+        vec![(0, Outcome::InFlightDenied)]
+    );
     // Another tenant has its own slots.
     assert_eq!(
         admit(&e, &store, &req(&[("x-tenant", "b")]), 1_000).verdict,

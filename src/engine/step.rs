@@ -80,10 +80,12 @@ pub(super) struct Scratch {
 }
 
 impl Scratch {
-    pub fn drain_into(self, decision: &mut Decision) {
+    /// Hands what the committed decision collected to the request's `decision` (by moving
+    /// the lists, not copying them: most are empty).
+    pub fn drain_into(&mut self, decision: &mut Decision) {
         decision.delay_ms = decision.delay_ms.max(self.delay_ms);
         if !self.request_headers.is_empty() {
-            decision.request_headers.extend(self.request_headers);
+            move_all(&mut decision.request_headers, &mut self.request_headers);
         }
         if self.needs.is_empty()
             && self.returns.is_empty()
@@ -96,14 +98,22 @@ impl Scratch {
             // The common case: nothing to hand over.
             return;
         }
-        decision.needs.extend(self.needs);
-        decision.returns.extend(self.returns);
-        decision.expired.extend(self.expired);
-        decision.waiting_for.extend(self.waiting_for);
-        decision.admissions.extend(self.admissions);
-        decision.slots_expired.extend(self.slots_expired);
-        decision.delay_ms = decision.delay_ms.max(self.delay_ms);
-        decision.delayed.extend(self.delayed);
+        move_all(&mut decision.needs, &mut self.needs);
+        move_all(&mut decision.returns, &mut self.returns);
+        move_all(&mut decision.expired, &mut self.expired);
+        move_all(&mut decision.waiting_for, &mut self.waiting_for);
+        move_all(&mut decision.admissions, &mut self.admissions);
+        move_all(&mut decision.slots_expired, &mut self.slots_expired);
+        move_all(&mut decision.delayed, &mut self.delayed);
+    }
+}
+
+/// Moves `from`'s items to the end of `to`: the list itself when `to` is empty.
+fn move_all<T>(to: &mut Vec<T>, from: &mut Vec<T>) {
+    if to.is_empty() {
+        std::mem::swap(to, from);
+    } else {
+        to.append(from);
     }
 }
 
@@ -174,7 +184,7 @@ impl Engine {
         if let Some(expiry) = global::expire(lease, now_ms) {
             scratch
                 .returns
-                .extend(ReturnNeed::of_expiry(matched.index, &matched.key, &expiry));
+                .extend(ReturnNeed::of_expiry(matched.index, matched.key(), &expiry));
             if expiry.expired > 0 {
                 scratch.expired.push((matched.index, expiry.expired));
             }
@@ -403,7 +413,7 @@ pub(super) fn ask_in_background(
     lease.asked_demand_per_s = demand_per_s;
     scratch.needs.push(LeaseNeed {
         policy: matched.index,
-        key: matched.key.clone(),
+        key: matched.key().to_owned(),
         bucket_id: matched.bucket_id.clone(),
         min: matched.cost,
         want,
@@ -444,7 +454,7 @@ pub(super) fn bucket_step(
 /// The local stage by the policy's algorithm: a token bucket (shaped: a request over the rate
 /// waits for its turn, up to `max_delay`, while the worker has room for one more waiting
 /// request of the key), a fixed or sliding window, a sliding log.
-fn local_step(policy: &Policy, matched: &Matched, record: &Record, now_ms: u64) -> Step {
+pub(super) fn local_step(policy: &Policy, matched: &Matched, record: &Record, now_ms: u64) -> Step {
     let cost = matched.cost;
     let deny = |decision: BucketDecision| match decision {
         BucketDecision::Denied {

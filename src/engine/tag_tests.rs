@@ -63,14 +63,14 @@ fn over_the_limit_a_tag_policy_lets_the_request_on_tagged_and_takes_nothing() {
     for _ in 0..2 {
         let d = decide(&e, &store, "acme", 0);
         assert_eq!(d.verdict, Verdict::Continue);
-        assert_eq!(d.outcomes, vec![(0, Outcome::Allowed)]);
+        assert_eq!(d.outcomes.to_vec(), vec![(0, Outcome::Allowed)]);
         assert!(d.request_headers.is_empty());
     }
     // Over the limit, again and again: never refused, always tagged.
     for _ in 0..20 {
         let d = decide(&e, &store, "acme", 10);
         assert_eq!(d.verdict, Verdict::Continue);
-        assert_eq!(d.outcomes, vec![(0, Outcome::Tagged)]);
+        assert_eq!(d.outcomes.to_vec(), vec![(0, Outcome::Tagged)]);
         assert_eq!(
             d.request_headers,
             vec![("x-tollgate-over-limit".to_string(), "bulk".to_string())]
@@ -80,15 +80,15 @@ fn over_the_limit_a_tag_policy_lets_the_request_on_tagged_and_takes_nothing() {
     // The tagged requests took nothing: one second refills exactly one unit, and the next
     // request is admitted on it (had the 20 taken anything, it would still be tagged).
     let d = decide(&e, &store, "acme", 1_000);
-    assert_eq!(d.outcomes, vec![(0, Outcome::Allowed)]);
+    assert_eq!(d.outcomes.to_vec(), vec![(0, Outcome::Allowed)]);
     assert!(d.request_headers.is_empty());
     assert_eq!(
-        decide(&e, &store, "acme", 1_000).outcomes,
+        decide(&e, &store, "acme", 1_000).outcomes.to_vec(),
         vec![(0, Outcome::Tagged)]
     );
     // Another tenant has its own budget.
     assert_eq!(
-        decide(&e, &store, "other", 1_000).outcomes,
+        decide(&e, &store, "other", 1_000).outcomes.to_vec(),
         vec![(0, Outcome::Allowed)]
     );
 }
@@ -102,7 +102,7 @@ fn reject_policies_stay_all_or_nothing_beside_a_tag_policy() {
     );
     let d = decide(&e, &store, "acme", 0);
     assert_eq!(
-        d.outcomes,
+        d.outcomes.to_vec(),
         vec![(0, Outcome::Allowed), (1, Outcome::Allowed)]
     );
     assert!(d.request_headers.is_empty());
@@ -110,7 +110,7 @@ fn reject_policies_stay_all_or_nothing_beside_a_tag_policy() {
     let d = decide(&e, &store, "acme", 0);
     assert_eq!(d.verdict, Verdict::Continue);
     assert_eq!(
-        d.outcomes,
+        d.outcomes.to_vec(),
         vec![(0, Outcome::Allowed), (1, Outcome::Tagged)]
     );
     assert_eq!(
@@ -124,7 +124,7 @@ fn reject_policies_stay_all_or_nothing_beside_a_tag_policy() {
     };
     assert_eq!(reply.status, 429);
     assert!(reply.body.contains("\"policy\":\"strict\""));
-    assert_eq!(d.outcomes, vec![(0, Outcome::Denied)]);
+    assert_eq!(d.outcomes.to_vec(), vec![(0, Outcome::Denied)]);
     assert!(d.request_headers.is_empty());
 }
 
@@ -156,7 +156,7 @@ fn a_request_refused_by_a_reject_policy_takes_nothing_from_a_tag_policy() {
     // refilled to 3 and this request takes one.
     let d = decide(&e, &store, "acme", 3_600_000);
     assert_eq!(
-        d.outcomes,
+        d.outcomes.to_vec(),
         vec![(0, Outcome::Allowed), (1, Outcome::Allowed)]
     );
     assert_eq!(ratelimit(&d), Some("\"bulk\";r=2;t=3601"));
@@ -190,7 +190,7 @@ fn several_tag_policies_over_share_one_header_per_name() {
         ]
     );
     assert_eq!(
-        d.outcomes,
+        d.outcomes.to_vec(),
         vec![
             (0, Outcome::Tagged),
             (1, Outcome::Tagged),
@@ -229,7 +229,7 @@ fn decided_after_the_headers_went_on_a_tag_policy_refuses() {
     plan.after_headers = true;
     let d = e.decide(&plan, &store, 0, Attempt::default());
     assert!(matches!(&d.verdict, Verdict::Reply(r) if r.status == 429));
-    assert_eq!(d.outcomes, vec![(0, Outcome::Denied)]);
+    assert_eq!(d.outcomes.to_vec(), vec![(0, Outcome::Denied)]);
     assert!(d.request_headers.is_empty());
 }
 
@@ -240,11 +240,11 @@ fn a_tag_policy_over_max_in_flight_tags_and_holds_no_slot() {
         "",
     );
     let first = decide(&e, &store, "acme", 0);
-    assert_eq!(first.outcomes, vec![(0, Outcome::Allowed)]);
+    assert_eq!(first.outcomes.to_vec(), vec![(0, Outcome::Allowed)]);
     assert_eq!(first.admissions.len(), 1);
     let second = decide(&e, &store, "acme", 0);
     assert_eq!(second.verdict, Verdict::Continue);
-    assert_eq!(second.outcomes, vec![(0, Outcome::Tagged)]);
+    assert_eq!(second.outcomes.to_vec(), vec![(0, Outcome::Tagged)]);
     assert!(second.admissions.is_empty());
     assert_eq!(second.request_headers.len(), 1);
 }
@@ -284,6 +284,6 @@ fn ratelimit_fields_on_allowed_answers_come_from_the_policies_that_enable_them()
     );
     decide(&e, &store, "acme", 0);
     let d = decide(&e, &store, "acme", 0);
-    assert_eq!(d.outcomes, vec![(0, Outcome::Tagged)]);
+    assert_eq!(d.outcomes.to_vec(), vec![(0, Outcome::Tagged)]);
     assert_eq!(ratelimit(&d), Some("\"bulk\";r=0;t=1"));
 }

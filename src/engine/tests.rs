@@ -49,7 +49,7 @@ fn eval(
             _ => None,
         },
         response_headers: d.response_headers.clone(),
-        outcomes: d.outcomes.clone(),
+        outcomes: d.outcomes.to_vec(),
         table_error: d.table_error,
         decision: d,
     }
@@ -89,7 +89,7 @@ fn payments_transfers_cost_five_and_the_429_is_complete() {
     for _ in 0..4 {
         let ev = eval(&e, &transfer, &tenant("acme"), &store, 1_000);
         assert_eq!(ev.reply, None);
-        assert_eq!(ev.outcomes, vec![(0, Outcome::Allowed)]);
+        assert_eq!(ev.outcomes.to_vec(), vec![(0, Outcome::Allowed)]);
         assert!(
             header_of(&ev.response_headers, "ratelimit").starts_with("\"payments-per-tenant\";r=")
         );
@@ -111,7 +111,7 @@ fn payments_transfers_cost_five_and_the_429_is_complete() {
         r#"{"error":"rate limit exceeded","policy":"payments-per-tenant","retry_after_seconds":1}"#
     );
     assert!(!reply.body.contains("acme"));
-    assert_eq!(ev.outcomes, vec![(0, Outcome::Denied)]);
+    assert_eq!(ev.outcomes.to_vec(), vec![(0, Outcome::Denied)]);
     // A status lookup (1 unit) is also refused until tokens refill (10 ms per unit).
     let lookup = facts("GET", "/payments/transfers/tx-9");
     assert!(eval(&e, &lookup, &tenant("acme"), &store, 1_000)
@@ -167,7 +167,7 @@ fn missing_identity_denies_with_403_skips_or_goes_anonymous() {
         0,
     );
     assert_eq!(ev.reply.unwrap().status, 403);
-    assert_eq!(ev.outcomes, vec![(0, Outcome::IdentityMissing)]);
+    assert_eq!(ev.outcomes.to_vec(), vec![(0, Outcome::IdentityMissing)]);
 
     let skip = PAYMENTS.replace("\"deny\"", "\"skip\"");
     let e = engine(&skip, &store, 64);
@@ -255,7 +255,7 @@ fn two_policies_are_all_or_nothing() {
     let reply = ev.reply.unwrap();
     assert_eq!(reply.status, 429);
     assert!(reply.body.contains("\"policy\":\"exports\""));
-    assert_eq!(ev.outcomes, vec![(1, Outcome::Denied)]);
+    assert_eq!(ev.outcomes.to_vec(), vec![(1, Outcome::Denied)]);
     // Denied exports took nothing tenant-wide: 8 more other requests pass.
     for _ in 0..8 {
         assert!(eval(&e, &facts("GET", "/x"), &tenant("a"), &store, 0)
@@ -284,10 +284,10 @@ fn a_full_table_applies_the_failure_mode() {
                 assert_eq!(ev.table_error, Some(TableError::Full));
                 if expect_closed {
                     assert_eq!(ev.reply.as_ref().unwrap().status, 503);
-                    assert_eq!(ev.outcomes, vec![(0, Outcome::FailClosed)]);
+                    assert_eq!(ev.outcomes.to_vec(), vec![(0, Outcome::FailClosed)]);
                 } else {
                     assert!(ev.reply.is_none());
-                    assert_eq!(ev.outcomes, vec![(0, Outcome::FailOpen)]);
+                    assert_eq!(ev.outcomes.to_vec(), vec![(0, Outcome::FailOpen)]);
                 }
             }
         }
@@ -354,7 +354,7 @@ fn a_policy_whose_conditions_hold_is_planned_with_its_key_and_cost() {
     let plan = e.plan(&facts("GET", "/items/9"), &on_plan("acme", Some("pro")));
     assert_eq!(plan.enforced.len(), 1);
     assert_eq!(plan.enforced[0].index, 1);
-    assert_eq!(plan.enforced[0].key, "acme");
+    assert_eq!(plan.enforced[0].key(), "acme");
     assert_eq!(plan.enforced[0].cost, 1);
     // The condition holds but the key is missing: `on_missing_key` decides, as without `when`.
     let plan = e.plan(&facts("GET", "/items/9"), &{

@@ -504,7 +504,7 @@ fn a_lease_is_returned_once_whoever_finds_it_expired() {
     let mut other = Worker::new(0xabc, 2);
     let plan = rig.plan("t");
     let m = &plan.enforced[0];
-    other.watch(m.index, &m.key, &m.bucket_id, 2_000);
+    other.watch(m.index, m.key(), &m.bucket_id, 2_000);
     other.tick(&rig.ctx(2_010));
     rig.tick(2_020);
     // A request of the key after both: its lease is gone, it returns nothing either.
@@ -937,7 +937,7 @@ fn shaped_requests_sleep_until_their_turn_and_wake_in_order() {
 fn need_of(m: &crate::engine::Matched, blocking: bool, asked_ms: u64) -> LeaseNeed {
     LeaseNeed {
         policy: m.index,
-        key: m.key.clone(),
+        key: m.key().to_owned(),
         bucket_id: m.bucket_id.clone(),
         min: 1,
         want: 5,
