@@ -101,7 +101,7 @@ impl Stream {
         let engine = instance.engine();
         let mut plan = host.with_header(":method", |method| {
             host.with_header(":path", |path| {
-                host.with_header(":authority", |authority| {
+                let plan_for = |authority: Option<&[u8]>| {
                     let authority = request_text(authority);
                     let facts = RequestFacts {
                         method: request_text(method),
@@ -109,7 +109,13 @@ impl Stream {
                         host: authority_host(&authority),
                     };
                     engine.plan(&facts, host)
-                })
+                };
+                // The host is read only when some policy matches on it (none other looks).
+                if engine.policies.reads_host() {
+                    host.with_header(":authority", plan_for)
+                } else {
+                    plan_for(None)
+                }
             })
         });
         for name in &plan.tag_headers {

@@ -791,9 +791,17 @@ pub struct Policies {
     pub limiter: Option<LimiterSpec>,
     pub local_table: LocalTableSpec,
     pub response: ResponseSpec,
+    /// Some policy matches `hosts`: only then is a request's host worth reading.
+    reads_host: bool,
 }
 
 impl Policies {
+    /// Whether any policy matches on the request's host (`match.hosts`); when none does, the
+    /// host is never looked at and need not be read from the request.
+    pub fn reads_host(&self) -> bool {
+        self.reads_host
+    }
+
     /// Parses and validates a document; all problems are reported at once.
     pub fn from_json(bytes: &[u8]) -> Result<Self, PolicyErrors> {
         let value: Value = serde_json::from_slice(bytes).map_err(|e| {
@@ -949,6 +957,7 @@ fn compile(document: PolicyDocument, version: String) -> Result<Policies, Policy
     }
     Ok(Policies {
         version,
+        reads_host: policies.iter().any(|p| !p.hosts.is_empty()),
         policies,
         limiter: document.limiter,
         local_table: document.local_table,

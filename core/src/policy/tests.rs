@@ -193,6 +193,11 @@ fn hosts_match_with_wildcards_and_ports() {
         .match_request(&authority_host("api.OTHER.org"), "GET", "/x")
         .is_some());
     assert_eq!(authority_host("[::1]:80"), "::1");
+    // The request's host is read only for documents with a policy that matches on it.
+    assert!(policies.reads_host());
+    assert!(!Policies::from_json(policy("").as_bytes())
+        .unwrap()
+        .reads_host());
     // The host without a numeric port, lower-cased; anything else after `:` is kept.
     for (authority, host) in [
         ("[::1]", "::1"),
