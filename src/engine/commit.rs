@@ -259,100 +259,103 @@ impl Engine {
         scratch: &mut Scratch,
     ) -> (Verdict, Outcomes, Vec<(String, String)>) {
         let tagging = |policy: &Policy| tags && policy.tag.is_some();
-        let denials: Vec<PolicyStatus<'_>> = items
-            .iter()
-            .zip(steps)
-            .filter_map(|((_, policy), step)| match step {
-                Step::Deny {
-                    remaining,
-                    retry_ms,
-                    ..
-                } if !tagging(policy) => Some(status(policy, *remaining, *retry_ms, now_ms)),
-                _ => None,
-            })
-            .collect();
-        if !denials.is_empty() {
-            let outcomes = items
+        // The common case, every step admits: nothing to refuse, wait for or tag.
+        if !steps.iter().all(|s| matches!(s, Step::Allow { .. })) {
+            let denials: Vec<PolicyStatus<'_>> = items
                 .iter()
                 .zip(steps)
-                .filter_map(|((m, policy), step)| match step {
-                    Step::Deny { outcome, .. } if !tagging(policy) => Some((m.index, *outcome)),
+                .filter_map(|((_, policy), step)| match step {
+                    Step::Deny {
+                        remaining,
+                        retry_ms,
+                        ..
+                    } if !tagging(policy) => Some(status(policy, *remaining, *retry_ms, now_ms)),
                     _ => None,
                 })
                 .collect();
-            return (
-                Verdict::Reply(response::too_many_requests(&denials)),
-                outcomes,
-                Vec::new(),
-            );
-        }
-        let busy = |(&(_, policy), step): (&(&Matched, &Policy), &Step)| {
-            matches!(step, Step::Busy) && !tagging(policy)
-        };
-        if let Some(((_, policy), _)) = items.iter().zip(steps).find(|&pair| busy(pair)) {
-            let outcomes = items
-                .iter()
-                .zip(steps)
-                .filter(|&pair| busy(pair))
-                .map(|((m, _), _)| (m.index, Outcome::InFlightDenied))
-                .collect();
-            return (
-                Verdict::Reply(response::too_many_in_flight(&policy.name)),
-                outcomes,
-                Vec::new(),
-            );
-        }
-        if let Some(((_, policy), _)) = items
-            .iter()
-            .zip(steps)
-            .find(|(_, s)| matches!(s, Step::Refuse))
-        {
-            let outcomes = items
-                .iter()
-                .zip(steps)
-                .filter(|(_, s)| matches!(s, Step::Refuse))
-                .map(|((m, _), _)| (m.index, Outcome::FailClosed))
-                .collect();
-            return (
-                Verdict::Reply(response::limiter_unavailable(&policy.name)),
-                outcomes,
-                Vec::new(),
-            );
-        }
-        if steps.iter().any(|s| matches!(s, Step::Need { .. })) {
-            for (((m, _), step), record) in items.iter().zip(steps).zip(records.iter_mut()) {
-                let Step::Need {
-                    min,
-                    want,
-                    demand_per_s,
-                    ask,
-                } = step
-                else {
-                    continue;
-                };
-                scratch.waiting_for.push(m.bucket_id.clone());
-                if !*ask {
-                    // Another request of this instance is asking for this key: its answer
-                    // serves this one too.
-                    continue;
-                }
-                if let Some(settings) = self.policies.limiter.as_ref() {
-                    record.lease.pending_until_ms =
-                        now_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
-                }
-                record.lease.asked_demand_per_s = *demand_per_s;
-                scratch.needs.push(LeaseNeed {
-                    policy: m.index,
-                    key: m.key().to_owned(),
-                    bucket_id: m.bucket_id.clone(),
-                    min: *min,
-                    want: *want,
-                    demand_per_s: *demand_per_s,
-                    blocking: true,
-                    asked_ms: now_ms,
-                });
+            if !denials.is_empty() {
+                let outcomes = items
+                    .iter()
+                    .zip(steps)
+                    .filter_map(|((m, policy), step)| match step {
+                        Step::Deny { outcome, .. } if !tagging(policy) => Some((m.index, *outcome)),
+                        _ => None,
+                    })
+                    .collect();
+                return (
+                    Verdict::Reply(response::too_many_requests(&denials)),
+                    outcomes,
+                    Vec::new(),
+                );
             }
-            return (Verdict::Wait, Outcomes::new(), Vec::new());
+            let busy = |(&(_, policy), step): (&(&Matched, &Policy), &Step)| {
+                matches!(step, Step::Busy) && !tagging(policy)
+            };
+            if let Some(((_, policy), _)) = items.iter().zip(steps).find(|&pair| busy(pair)) {
+                let outcomes = items
+                    .iter()
+                    .zip(steps)
+                    .filter(|&pair| busy(pair))
+                    .map(|((m, _), _)| (m.index, Outcome::InFlightDenied))
+                    .collect();
+                return (
+                    Verdict::Reply(response::too_many_in_flight(&policy.name)),
+                    outcomes,
+                    Vec::new(),
+                );
+            }
+            if let Some(((_, policy), _)) = items
+                .iter()
+                .zip(steps)
+                .find(|(_, s)| matches!(s, Step::Refuse))
+            {
+                let outcomes = items
+                    .iter()
+                    .zip(steps)
+                    .filter(|(_, s)| matches!(s, Step::Refuse))
+                    .map(|((m, _), _)| (m.index, Outcome::FailClosed))
+                    .collect();
+                return (
+                    Verdict::Reply(response::limiter_unavailable(&policy.name)),
+                    outcomes,
+                    Vec::new(),
+                );
+            }
+            if steps.iter().any(|s| matches!(s, Step::Need { .. })) {
+                for (((m, _), step), record) in items.iter().zip(steps).zip(records.iter_mut()) {
+                    let Step::Need {
+                        min,
+                        want,
+                        demand_per_s,
+                        ask,
+                    } = step
+                    else {
+                        continue;
+                    };
+                    scratch.waiting_for.push(m.bucket_id.clone());
+                    if !*ask {
+                        // Another request of this instance is asking for this key: its answer
+                        // serves this one too.
+                        continue;
+                    }
+                    if let Some(settings) = self.policies.limiter.as_ref() {
+                        record.lease.pending_until_ms =
+                            now_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
+                    }
+                    record.lease.asked_demand_per_s = *demand_per_s;
+                    scratch.needs.push(LeaseNeed {
+                        policy: m.index,
+                        key: m.key().to_owned(),
+                        bucket_id: m.bucket_id.clone(),
+                        min: *min,
+                        want: *want,
+                        demand_per_s: *demand_per_s,
+                        blocking: true,
+                        asked_ms: now_ms,
+                    });
+                }
+                return (Verdict::Wait, Outcomes::new(), Vec::new());
+            }
         }
         let mut outcomes = Outcomes::new();
         // Statuses only feed the headers on an admitted response, of the policies that send
