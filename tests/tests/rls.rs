@@ -518,3 +518,101 @@ fn plaintext_off_loopback_is_refused_unless_said_so() {
     );
     assert!(limiter.logs().contains("RateLimitService (gRPC) listening"));
 }
+
+mod ops;
+
+/// deploy/ratelimit/istio-envoyfilter.yaml passes Istio's EnvoyFilter schema, names the
+/// cluster Istio builds for the limiter's Service on the RateLimitService port, and its two
+/// patches (the filter, the virtual host's `rate_limits`) do what they say in a real Envoy:
+/// assembled into a bootstrap as Istio would insert them, against the limiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_istio_envoyfilter_example_is_valid_and_limits_in_envoy() {
+    use serde_json::{json, Value};
+    let file = ops::root().join("deploy/ratelimit/istio-envoyfilter.yaml");
+    let mut cmd = std::process::Command::new(ops::tool("node"));
+    cmd.arg(ops::root().join("tools/istio-schema/validate.mjs"));
+    cmd.arg(&file);
+    let out = ops::run(cmd);
+    let report = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{report}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        report.contains("1 Istio resource(s) checked, 0 invalid"),
+        "{report}"
+    );
+
+    let filter = ops::yaml_doc(&file);
+    let patches = ops::field(&filter, "spec.configPatches")
+        .as_array()
+        .unwrap()
+        .clone();
+    let http_filter = ops::field(&patches[0], "patch.value").clone();
+    let vhost_patch = ops::field(&patches[1], "patch.value").clone();
+    let service = ops::yaml_doc(&ops::root().join("deploy/k8s/base/service.yaml"));
+    let cluster = format!(
+        "outbound|8082||{}.{}.svc.cluster.local",
+        ops::str_field(&service, "metadata.name"),
+        ops::str_field(&service, "metadata.namespace")
+    );
+    assert_eq!(
+        ops::str_field(
+            &http_filter,
+            "typed_config.rate_limit_service.grpc_service.envoy_grpc.cluster_name"
+        ),
+        cluster
+    );
+
+    away_from_the_hour();
+    let (_limiter, rls_port, _) = start_limiter(Store::Memory, &[]);
+    let upstream = Upstream::start();
+    let address =
+        |port: u16| json!({ "socket_address": { "address": "127.0.0.1", "port_value": port } });
+    let cluster_of = |name: &str, port: u16, h2: bool| {
+        let mut c = json!({
+            "name": name, "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": { "cluster_name": name, "endpoints": [{ "lb_endpoints": [
+                { "endpoint": { "address": address(port) } }] }] }
+        });
+        if h2 {
+            c["typed_extension_protocol_options"] = json!({
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": { "http2_protocol_options": {} } } });
+        }
+        c
+    };
+    let mut vhost = json!({
+        "name": "all", "domains": ["*"],
+        "routes": [{ "match": { "prefix": "/" }, "route": { "cluster": "demo_upstream" } }]
+    });
+    for (k, v) in vhost_patch.as_object().unwrap() {
+        vhost[k] = v.clone();
+    }
+    let static_resources: Value = json!({
+            "listeners": [{ "name": "ingress", "address": address(0), "filter_chains": [{ "filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": "ingress",
+                    "route_config": { "virtual_hosts": [vhost] },
+                    "http_filters": [http_filter, {
+                        "name": "envoy.filters.http.router",
+                        "typed_config": { "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router" } }]
+                } }] }] }],
+            "clusters": [cluster_of("demo_upstream", upstream.port(), false), cluster_of(&cluster, rls_port, true)]
+    });
+    let envoy = Envoy::start(
+        // YAML, JSON inside: the harness reads the `admin:` block as written.
+        EnvoyOptions::new(format!(
+            "admin:\n  address:\n    socket_address: {{ address: 127.0.0.1, port_value: 0 }}\n\
+             static_resources: {static_resources}\n"
+        ))
+        .concurrency(1)
+        .log_level("warn"),
+    );
+    let port = envoy.listener_port("ingress");
+    assert_eq!(admitted(port, 7, 429, || tenant("/any", "mesh")).await, 5);
+}
