@@ -1,4 +1,6 @@
-//! The policy document in force, and the watcher that reloads it when its file changes.
+//! The policy document in force, and the watcher that reloads it when its file changes; the
+//! same mechanism ([`Current`], [`watch`]) keeps the RateLimitService's configuration
+//! (`crate::rls`) current.
 //!
 //! The limiter resolves rate and burst by policy name from the same JSON document the filter
 //! is configured with. The file is polled (contents compared, so editors that replace the file
