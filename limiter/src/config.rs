@@ -695,6 +695,48 @@ mod tests {
     }
 
     #[test]
+    fn rls_flags_come_in_pairs_and_make_policies_optional() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["tollgate-limiter"].iter().chain(args).copied())
+                .map(|cli| cli.server_config())
+        };
+        let c = parse(&["--rls-listen", "127.0.0.1:9082", "--rls-config", "rl/"]).unwrap();
+        assert!(c.policies.as_os_str().is_empty());
+        let rls = c.rls.unwrap();
+        assert_eq!(rls.listen, "127.0.0.1:9082".parse().unwrap());
+        assert_eq!(rls.config, PathBuf::from("rl/"));
+        assert_eq!(rls.poll, Duration::from_secs(1));
+        assert_eq!(rls.headers, None);
+        assert_eq!(rls.bounds, Bounds::default());
+        let c = parse(&[
+            "--policies",
+            "p.json",
+            "--rls-listen",
+            "127.0.0.1:9082",
+            "--rls-config",
+            "rl.yaml",
+            "--rls-config-poll",
+            "250ms",
+            "--rls-response-headers",
+            "--rls-limit-header",
+            "X-RateLimit-Limit",
+        ])
+        .unwrap();
+        assert_eq!(c.policies, PathBuf::from("p.json"));
+        let rls = c.rls.unwrap();
+        assert_eq!(rls.poll, Duration::from_millis(250));
+        let headers = rls.headers.unwrap();
+        assert_eq!(headers.limit, "X-RateLimit-Limit");
+        assert_eq!(headers.remaining, "RateLimit-Remaining");
+        assert_eq!(headers.reset, "RateLimit-Reset");
+        // One without the other, or neither and no policies: refused.
+        assert!(parse(&["--rls-listen", "127.0.0.1:9082"]).is_err());
+        assert!(parse(&["--rls-config", "rl/"]).is_err());
+        assert!(parse(&[]).is_err());
+        assert_eq!(parse(&["--policies", "p.json"]).unwrap().rls, None);
+    }
+
+    #[test]
     fn hot_key_flags() {
         let parse = |more: &[&str]| {
             Cli::try_parse_from(

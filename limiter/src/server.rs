@@ -800,6 +800,44 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_rls_listener_follows_the_plaintext_rule_and_policies_become_optional() {
+        let mut c = ServerConfig::new("");
+        let e = c.check().unwrap_err().to_string();
+        assert!(
+            e.contains("--policies is required unless --rls-config"),
+            "{e}"
+        );
+        let mut rls = RlsServerConfig::new("rl/");
+        c.rls = Some(rls.clone());
+        assert!(c.check().is_ok());
+        rls.listen = "0.0.0.0:8082".parse().unwrap();
+        c.rls = Some(rls.clone());
+        let e = c.check().unwrap_err().to_string();
+        assert!(
+            e.contains("--rls-listen") && e.contains("not a loopback"),
+            "{e}"
+        );
+        c.insecure_plaintext = true;
+        assert!(c.check().is_ok());
+        c.insecure_plaintext = false;
+        c.tls = Some(TlsSettings {
+            cert: "c".into(),
+            key: "k".into(),
+            client_ca: "ca".into(),
+            allow: vec![],
+            reload_every: Duration::from_secs(10),
+        });
+        assert!(c.check().is_ok());
+        rls.poll = Duration::ZERO;
+        c.rls = Some(rls);
+        assert!(c
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("--rls-config-poll"));
+    }
+
+    #[test]
     fn the_assignment_period_is_positive_and_shorter_than_the_dedup_ttl() {
         let mut c = ServerConfig::new("p.json");
         assert!(c.check().is_ok());
