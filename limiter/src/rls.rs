@@ -44,7 +44,9 @@ use tollgate_core::policy::Algorithm;
 use tollgate_core::window::Window;
 
 use crate::import::input::Unit;
+use crate::metrics::Metrics;
 use crate::policies::Current;
+use crate::service::LogThrottle;
 use crate::store::{rls_key, LeaseItem, LeaseOutcome, Store, StoreError, RLS_POLICY};
 use config::{Rate, Resolved, RlsConfig};
 
@@ -196,6 +198,9 @@ pub struct RlsService<S> {
     store: Arc<S>,
     config: Arc<Current<RlsConfig>>,
     metrics: RlsMetrics,
+    /// The limiter's store metrics (call latency `op="rls"`, errors by kind).
+    store_metrics: Metrics,
+    store_log: LogThrottle,
     settings: RlsSettings,
     /// Lease ids: `rls-<instance>-<n>`, unique per item.
     instance: String,
@@ -390,6 +395,7 @@ impl<S: Store> RlsService<S> {
         store: Arc<S>,
         config: Arc<Current<RlsConfig>>,
         metrics: RlsMetrics,
+        store_metrics: Metrics,
         settings: RlsSettings,
     ) -> Self {
         let nanos = std::time::SystemTime::now()
@@ -399,6 +405,8 @@ impl<S: Store> RlsService<S> {
             store,
             config,
             metrics,
+            store_metrics,
+            store_log: LogThrottle::default(),
             settings,
             instance: format!("{:x}{:x}", std::process::id(), nanos),
             next_id: AtomicU64::new(0),
@@ -450,12 +458,27 @@ impl<S: Store> RlsService<S> {
                 }
             }
         }
+        let node = items
+            .first()
+            .map(|item| self.store.node_for(&item.key))
+            .unwrap_or_default();
+        let started = std::time::Instant::now();
         let call = self.store.lease(&items);
-        let LeaseOutcome { now_ms, grants } =
-            match tokio::time::timeout(self.settings.store_timeout, call).await {
-                Ok(result) => result?,
-                Err(_) => return Err(StoreError::Timeout(self.settings.store_timeout)),
-            };
+        let result = match tokio::time::timeout(self.settings.store_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.settings.store_timeout)),
+        };
+        let LeaseOutcome { now_ms, grants } = match result {
+            Ok(outcome) => {
+                self.store_metrics
+                    .store_call(&node, "rls", started.elapsed());
+                outcome
+            }
+            Err(e) => {
+                self.store_metrics.store_error(&node, e.kind());
+                return Err(e);
+            }
+        };
         if grants.len() != members.len() {
             return Err(StoreError::Protocol(format!(
                 "{} answers for {} items",
@@ -515,8 +538,10 @@ impl<S: Store> RlsService<S> {
             for _ in &plans {
                 self.metrics.descriptor(domain_label, outcome::UNAVAILABLE);
             }
-            tracing::warn!(error = %e, kind = e.kind(), domain = domain_label,
-                "RateLimitService: the store did not answer");
+            if self.store_log.allow() {
+                tracing::warn!(error = %e, kind = e.kind(), domain = domain_label,
+                    "RateLimitService: the store did not answer; answering UNAVAILABLE");
+            }
             return Err(tonic::Status::unavailable(format!(
                 "the rate-limit store did not answer: {}",
                 e.kind()

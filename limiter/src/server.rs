@@ -690,6 +690,7 @@ async fn start_rls(
         store,
         handle,
         rls_metrics,
+        metrics.clone(),
         crate::rls::RlsSettings {
             store_timeout: config.store_timeout,
             bounds: rls.bounds,

@@ -259,6 +259,19 @@ async fn redis_down_is_unavailable_and_envoy_s_failure_mode_decides() {
     }
     let after = limiter_metric(&limiter, unavailable);
     assert!(after >= before + 6.0, "{before} → {after}");
+    // In the limiter's store metrics too: calls before, errors after.
+    let text = limiter.metrics();
+    assert!(
+        text.lines().any(
+            |l| l.starts_with("tollgate_limiter_store_call_duration_seconds_count")
+                && l.contains("op=\"rls\"")
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("tollgate_limiter_store_errors_total{"),
+        "{text}"
+    );
     // Never counted as over limit.
     assert_eq!(
         limiter_metric(

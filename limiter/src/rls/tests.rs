@@ -41,11 +41,12 @@ fn service(headers: bool) -> RlsService<MemoryStore> {
         lease_ttl_ms: 1_000,
     });
     let config = RlsConfig::parse(&[("edge.yaml".into(), CONFIG.into())]).unwrap();
-    let registry = Registry::new();
+    let metrics = Metrics::new().unwrap();
     RlsService::new(
         Arc::new(store),
         Arc::new(Current::new(config)),
-        RlsMetrics::new(&registry).unwrap(),
+        RlsMetrics::new(metrics.registry()).unwrap(),
+        metrics.clone(),
         RlsSettings {
             store_timeout: Duration::from_secs(1),
             bounds: Bounds::default(),
