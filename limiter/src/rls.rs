@@ -329,8 +329,13 @@ fn plan(
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
-        // A limit the request itself carries (Envoy's `limit` override) wins, as in ratelimit.
-        if let Some(limit) = &d.limit {
+        // A limit the request itself carries (Envoy's `limit` override) wins, as in ratelimit
+        // (which looks the domain up first: an unknown domain limits nothing).
+        if let Some(limit) = d
+            .limit
+            .as_ref()
+            .filter(|_| config.has_domain(&request.domain))
+        {
             let unit = unit_from_pb(limit.unit)
                 .ok_or_else(|| invalid(format!("descriptors[{index}].limit.unit: unknown")))?;
             plans.push(Plan::Counted(Counted {

@@ -232,8 +232,12 @@ async fn request_limit_overrides_are_applied() {
         requests_per_unit: 2,
         unit: 99,
     });
-    let e = s.answer(req("edge", vec![d], 0)).await.unwrap_err();
+    let e = s.answer(req("edge", vec![d.clone()], 0)).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    // An unknown domain limits nothing, override or not (as ratelimit).
+    let r = s.answer(req("nope", vec![d], 0)).await.unwrap();
+    assert_eq!(codes(&r), [OK]);
+    assert!(r.statuses[0].current_limit.is_none());
 }
 
 #[tokio::test]
