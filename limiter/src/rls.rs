@@ -188,8 +188,9 @@ struct Counted {
 /// What a request resolved to, before the store is asked.
 #[derive(Debug, Clone, PartialEq)]
 enum Plan {
-    /// OK, no `current_limit` (no rule, unknown domain, unlimited, replaced).
-    Free,
+    /// OK, no `current_limit`: no rule, unlimited, replaced or a negative hit; with its
+    /// outcome label for a known domain (`no_rule`, `not_counted`).
+    Free(&'static str),
     Counted(Counted),
 }
 
@@ -322,7 +323,7 @@ fn plan(
         if d.is_negative_hits {
             // A refill of earlier hits: windows give nothing back, so it is answered OK and
             // changes nothing.
-            plans.push(Plan::Free);
+            plans.push(Plan::Free(outcome::NOT_COUNTED));
             continue;
         }
         let entries: Vec<(&str, &str)> = descriptors[index]
@@ -352,9 +353,10 @@ fn plan(
             continue;
         }
         plans.push(match r {
-            Resolved::NoRule | Resolved::NotCounted => Plan::Free,
+            Resolved::NoRule => Plan::Free(outcome::NO_RULE),
+            Resolved::NotCounted => Plan::Free(outcome::NOT_COUNTED),
             Resolved::Limited { rule, entries } => match rule.rate {
-                None => Plan::Free,
+                None => Plan::Free(outcome::NOT_COUNTED),
                 Some(rate) => Plan::Counted(Counted {
                     index,
                     rate,
@@ -516,7 +518,7 @@ impl<S: Store> RlsService<S> {
             .iter()
             .filter_map(|p| match p {
                 Plan::Counted(c) => Some(c),
-                Plan::Free => None,
+                Plan::Free(_) => None,
             })
             .collect();
         let groups = groups(&counted);
@@ -559,14 +561,13 @@ impl<S: Store> RlsService<S> {
         let mut tightest: Option<(&Counted, Decided)> = None;
         for (plan, decided) in plans.iter().zip(&decided) {
             let (Plan::Counted(c), Some(d)) = (plan, decided) else {
-                self.metrics.descriptor(
-                    domain_label,
-                    if known {
-                        outcome::NO_RULE
-                    } else {
-                        outcome::UNKNOWN_DOMAIN
-                    },
-                );
+                let free = match plan {
+                    Plan::Free(free) if known => free,
+                    Plan::Free(_) => outcome::UNKNOWN_DOMAIN,
+                    // Unreachable in practice: every counted descriptor got its answer.
+                    Plan::Counted(_) => outcome::UNAVAILABLE,
+                };
+                self.metrics.descriptor(domain_label, free);
                 statuses.push(DescriptorStatus {
                     code: Code::Ok as i32,
                     ..Default::default()

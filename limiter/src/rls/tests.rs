@@ -166,6 +166,22 @@ async fn shadow_unlimited_unknown_and_replaced_answer_ok() {
     assert_eq!(text, 2);
     let health = req("edge", vec![desc(&[("health", "x")])], 0);
     assert_eq!(admitted(&s, &health, 20).await, 20);
+    assert_eq!(
+        s.metrics
+            .descriptors
+            .with_label_values(&["edge", outcome::NOT_COUNTED])
+            .get(),
+        20
+    );
+    let none = req("edge", vec![desc(&[("no-such-key", "x")])], 0);
+    assert_eq!(admitted(&s, &none, 1).await, 1);
+    assert_eq!(
+        s.metrics
+            .descriptors
+            .with_label_values(&["edge", outcome::NO_RULE])
+            .get(),
+        1
+    );
     let unknown = req("nope", vec![desc(&[("tenant", "x")])], 0);
     let r = s.answer(unknown).await.unwrap();
     assert_eq!(r.overall_code, OK);
