@@ -335,7 +335,7 @@ fn limiter_image_is_reproducible_minimal_and_serves_from_its_unpacked_rootfs() {
     let config = dir.join("ratelimit-config");
     std::fs::create_dir_all(&config).unwrap();
     std::fs::copy(
-        root().join("deploy/ratelimit/config.yaml"),
+        root().join("deploy/ratelimit/config/edge.yaml"),
         config.join("config.yaml"),
     )
     .unwrap();

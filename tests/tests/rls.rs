@@ -7,7 +7,7 @@
 )]
 //! The limiter as Envoy's RateLimitService: real Envoys running the shipped
 //! `envoy/ratelimit-service.yaml` (Envoy's own `envoy.filters.http.ratelimit` filter, no Wasm)
-//! call the real limiter serving the shipped `deploy/ratelimit/config.yaml` (envoyproxy/
+//! call the real limiter serving the shipped `deploy/ratelimit/config/edge.yaml` (envoyproxy/
 //! ratelimit's format) over gRPC, counting in a real redis-server. Exact admitted counts per
 //! descriptor kind (request_headers, remote_address, generic_key, header_value_match, nested,
 //! value-specific, hits_addend), one budget shared by two Envoys, shadow mode, unlimited,
@@ -53,7 +53,7 @@ fn away_from_the_hour() {
 fn start_limiter(store: Store, extra: &[&str]) -> (Limiter, u16, PathBuf) {
     let dir = paths::new_log_dir("", "rls-config");
     std::fs::copy(
-        paths::workspace_root().join("deploy/ratelimit/config.yaml"),
+        paths::workspace_root().join("deploy/ratelimit/config/edge.yaml"),
         dir.join("config.yaml"),
     )
     .unwrap();
@@ -387,7 +387,7 @@ async fn hostile_grpc_input_gets_clear_statuses_and_service_goes_on() {
 
 /// A ratelimit configuration with the tenant's default rate set to `rate`.
 fn with_tenant_rate(rate: u32) -> String {
-    std::fs::read_to_string(paths::workspace_root().join("deploy/ratelimit/config.yaml"))
+    std::fs::read_to_string(paths::workspace_root().join("deploy/ratelimit/config/edge.yaml"))
         .unwrap()
         .replacen(
             "rate_limit: { unit: hour, requests_per_unit: 5 }",
@@ -503,7 +503,7 @@ async fn over_mutual_tls_a_client_certificate_is_required() {
 fn plaintext_off_loopback_is_refused_unless_said_so() {
     let port = free_port();
     let listen = format!("0.0.0.0:{port}");
-    let config = paths::workspace_root().join("deploy/ratelimit");
+    let config = paths::workspace_root().join("deploy/ratelimit/config");
     let config = config.display().to_string();
     let e = Limiter::try_start(
         NO_POLICIES,
