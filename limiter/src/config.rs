@@ -10,7 +10,8 @@ use tollgate_core::duration::Millis;
 
 use crate::observe::HotKeySettings;
 use crate::region::{ParentTls, RegionConfig};
-use crate::server::{ServerConfig, StoreConfig};
+use crate::rls::{Bounds, HeaderNames};
+use crate::server::{RlsServerConfig, ServerConfig, StoreConfig};
 use crate::store::security::PASSWORD_ENV;
 use crate::store::{RedisSecurity, Secret};
 use crate::tls::TlsSettings;
@@ -137,8 +138,60 @@ pub struct Cli {
     pub redis_password_file: Option<PathBuf>,
 
     /// The policy document (the same JSON the filter is configured with); reloaded on change.
-    #[arg(long, env = "TOLLGATE_POLICIES", required = true)]
+    /// Optional when the limiter only serves the RateLimitService (--rls-config).
+    #[arg(
+        long,
+        env = "TOLLGATE_POLICIES",
+        required_unless_present = "rls_config"
+    )]
     pub policies: Option<PathBuf>,
+
+    /// Serve Envoy's RateLimitService (gRPC `envoy.service.ratelimit.v3`) on this address, with
+    /// the lease listener's TLS settings (--tls-cert, --tls-client-ca, --tls-allow) and its
+    /// plaintext rule (loopback only unless --insecure-plaintext).
+    #[arg(long, env = "TOLLGATE_RLS_LISTEN", requires = "rls_config")]
+    pub rls_listen: Option<SocketAddr>,
+
+    /// envoyproxy/ratelimit's configuration for the RateLimitService: one YAML file, or a
+    /// directory whose *.yaml and *.yml files are read (ratelimit's
+    /// RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/config); reloaded on change, keeping the last good
+    /// configuration when a new one is invalid.
+    #[arg(long, env = "TOLLGATE_RLS_CONFIG", requires = "rls_listen")]
+    pub rls_config: Option<PathBuf>,
+
+    /// How often --rls-config is checked for changes.
+    #[arg(long, env = "TOLLGATE_RLS_CONFIG_POLL", default_value = "1s", value_parser = parse_duration)]
+    pub rls_config_poll: Duration,
+
+    /// Add rate-limit headers to the RateLimitService's answers (ratelimit's
+    /// LIMIT_RESPONSE_HEADERS_ENABLED): ratelimit's three (names below) and the IETF
+    /// `RateLimit-Policy` and `RateLimit` fields, for the descriptor with the least remaining.
+    #[arg(long, env = "TOLLGATE_RLS_RESPONSE_HEADERS")]
+    pub rls_response_headers: bool,
+
+    /// Name of the limit header (ratelimit's LIMIT_LIMIT_HEADER).
+    #[arg(
+        long,
+        env = "TOLLGATE_RLS_LIMIT_HEADER",
+        default_value = "RateLimit-Limit"
+    )]
+    pub rls_limit_header: String,
+
+    /// Name of the remaining header (ratelimit's LIMIT_REMAINING_HEADER).
+    #[arg(
+        long,
+        env = "TOLLGATE_RLS_REMAINING_HEADER",
+        default_value = "RateLimit-Remaining"
+    )]
+    pub rls_remaining_header: String,
+
+    /// Name of the reset header (ratelimit's LIMIT_RESET_HEADER).
+    #[arg(
+        long,
+        env = "TOLLGATE_RLS_RESET_HEADER",
+        default_value = "RateLimit-Reset"
+    )]
+    pub rls_reset_header: String,
 
     /// How long a granted lease may be spent (its `expires_ms`).
     #[arg(long, env = "TOLLGATE_LEASE_TTL", default_value = "2s", value_parser = parse_duration)]
@@ -374,6 +427,20 @@ impl Cli {
                 share: self.hot_key_share,
                 min_calls: self.hot_key_min_calls,
                 salt_file: self.hot_key_salt_file.clone(),
+            },
+            rls: match (&self.rls_listen, &self.rls_config) {
+                (Some(listen), Some(path)) => Some(RlsServerConfig {
+                    listen: *listen,
+                    config: path.clone(),
+                    poll: self.rls_config_poll,
+                    headers: self.rls_response_headers.then(|| HeaderNames {
+                        limit: self.rls_limit_header.clone(),
+                        remaining: self.rls_remaining_header.clone(),
+                        reset: self.rls_reset_header.clone(),
+                    }),
+                    bounds: Bounds::default(),
+                }),
+                _ => None,
             },
         }
     }
@@ -625,6 +692,48 @@ mod tests {
         ])
         .is_err());
         assert!(Cli::try_parse_from(["tollgate-limiter"]).is_err());
+    }
+
+    #[test]
+    fn rls_flags_come_in_pairs_and_make_policies_optional() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(["tollgate-limiter"].iter().chain(args).copied())
+                .map(|cli| cli.server_config())
+        };
+        let c = parse(&["--rls-listen", "127.0.0.1:9082", "--rls-config", "rl/"]).unwrap();
+        assert!(c.policies.as_os_str().is_empty());
+        let rls = c.rls.unwrap();
+        assert_eq!(rls.listen, "127.0.0.1:9082".parse().unwrap());
+        assert_eq!(rls.config, PathBuf::from("rl/"));
+        assert_eq!(rls.poll, Duration::from_secs(1));
+        assert_eq!(rls.headers, None);
+        assert_eq!(rls.bounds, Bounds::default());
+        let c = parse(&[
+            "--policies",
+            "p.json",
+            "--rls-listen",
+            "127.0.0.1:9082",
+            "--rls-config",
+            "rl.yaml",
+            "--rls-config-poll",
+            "250ms",
+            "--rls-response-headers",
+            "--rls-limit-header",
+            "X-RateLimit-Limit",
+        ])
+        .unwrap();
+        assert_eq!(c.policies, PathBuf::from("p.json"));
+        let rls = c.rls.unwrap();
+        assert_eq!(rls.poll, Duration::from_millis(250));
+        let headers = rls.headers.unwrap();
+        assert_eq!(headers.limit, "X-RateLimit-Limit");
+        assert_eq!(headers.remaining, "RateLimit-Remaining");
+        assert_eq!(headers.reset, "RateLimit-Reset");
+        // One without the other, or neither and no policies: refused.
+        assert!(parse(&["--rls-listen", "127.0.0.1:9082"]).is_err());
+        assert!(parse(&["--rls-config", "rl/"]).is_err());
+        assert!(parse(&[]).is_err());
+        assert_eq!(parse(&["--policies", "p.json"]).unwrap().rls, None);
     }
 
     #[test]

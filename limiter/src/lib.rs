@@ -9,7 +9,8 @@
 //! (validation, units, deadlines, answers), [`store`] holds the buckets, `policies` keeps
 //! the policy document current, `metrics` exports what happened, `observe` keeps hot keys and
 //! key counts, [`tls`] is the lease listener's mutual TLS, [`config`] is the CLI, [`check`]
-//! the policy checker and [`import`] the envoyproxy/ratelimit importer; [`region`] is the
+//! the policy checker and [`import`] the envoyproxy/ratelimit importer; [`rls`] serves
+//! Envoy's RateLimitService (gRPC) from envoyproxy/ratelimit's configuration; [`region`] is the
 //! regional mode (`--parent`), leasing global budgets from a parent limiter. Only what the
 //! binary and the tests use is public.
 //!
@@ -25,10 +26,11 @@ mod metrics;
 mod observe;
 mod policies;
 pub mod region;
+pub mod rls;
 mod server;
 mod service;
 pub mod store;
 pub mod tls;
 
 pub use observe::HotKeySettings;
-pub use server::{serve, Running, ServerConfig, StartError, StoreConfig};
+pub use server::{serve, RlsServerConfig, Running, ServerConfig, StartError, StoreConfig};

@@ -1,4 +1,6 @@
-//! The policy document in force, and the watcher that reloads it when its file changes.
+//! The policy document in force, and the watcher that reloads it when its file changes; the
+//! same mechanism ([`Current`], [`watch`]) keeps the RateLimitService's configuration
+//! (`crate::rls`) current.
 //!
 //! The limiter resolves rate and burst by policy name from the same JSON document the filter
 //! is configured with. The file is polled (contents compared, so editors that replace the file
@@ -40,29 +42,33 @@ pub fn load_file(path: &Path) -> Result<(Policies, Vec<u8>), LoadError> {
     Ok((policies, bytes))
 }
 
-/// The document in force; cheap to read from every request.
+/// A document in force (the policy document, the RateLimitService's configuration); cheap
+/// to read from every request.
 #[derive(Debug)]
-pub struct PolicyHandle {
-    current: RwLock<Arc<Policies>>,
+pub struct Current<T> {
+    current: RwLock<Arc<T>>,
 }
 
-impl PolicyHandle {
-    pub fn new(policies: Policies) -> Self {
+/// The policy document in force.
+pub type PolicyHandle = Current<Policies>;
+
+impl<T> Current<T> {
+    pub fn new(value: T) -> Self {
         Self {
-            current: RwLock::new(Arc::new(policies)),
+            current: RwLock::new(Arc::new(value)),
         }
     }
 
     /// The document in force now (a snapshot: one request sees one version throughout).
-    pub fn current(&self) -> Arc<Policies> {
+    pub fn current(&self) -> Arc<T> {
         match self.current.read() {
             Ok(guard) => Arc::clone(&guard),
             Err(poisoned) => Arc::clone(&poisoned.into_inner()),
         }
     }
 
-    pub fn replace(&self, policies: Policies) {
-        let new = Arc::new(policies);
+    pub fn replace(&self, value: T) {
+        let new = Arc::new(value);
         match self.current.write() {
             Ok(mut guard) => *guard = new,
             Err(poisoned) => *poisoned.into_inner() = new,
@@ -70,18 +76,24 @@ impl PolicyHandle {
     }
 }
 
-/// Polls `path` every `interval` until `shutdown` turns true; installs every new valid
-/// document, logs and counts every invalid or unreadable one. `loaded` are the bytes the
-/// document in force was read from (so a change made while this task starts is not missed).
-pub async fn watch_file(
-    path: PathBuf,
+/// The reload mechanism of every watched document: every `interval` until `shutdown` turns
+/// true, `read` runs (off the async threads) and returns the bytes a change is seen on and
+/// what was read; when those bytes differ from the last seen (`loaded` at first, so a
+/// change made while this task starts is not missed), `apply` gets what was read (it
+/// validates, installs or keeps the document in force, logs and counts). A failed read is
+/// given to `unreadable` once until a read succeeds again.
+pub async fn watch<T, R>(
     loaded: Vec<u8>,
-    handle: Arc<PolicyHandle>,
-    metrics: Metrics,
     interval: Duration,
     mut shutdown: watch::Receiver<bool>,
-) {
-    let mut last_seen: Option<Vec<u8>> = Some(loaded);
+    read: R,
+    mut unreadable: impl FnMut(&str),
+    mut apply: impl FnMut(T),
+) where
+    T: Send + 'static,
+    R: Fn() -> Result<(Vec<u8>, T), String> + Clone + Send + 'static,
+{
+    let mut last_seen = loaded;
     let mut unreadable_logged = false;
     loop {
         tokio::select! {
@@ -91,41 +103,69 @@ pub async fn watch_file(
         if *shutdown.borrow() {
             return;
         }
-        let bytes = match tokio::fs::read(&path).await {
-            Ok(bytes) => {
+        let read = read.clone();
+        let outcome = match tokio::task::spawn_blocking(read).await {
+            Ok(outcome) => outcome,
+            Err(e) => Err(e.to_string()),
+        };
+        match outcome {
+            Ok((seen, value)) => {
                 unreadable_logged = false;
-                bytes
+                if seen != last_seen {
+                    apply(value);
+                    last_seen = seen;
+                }
             }
             Err(e) => {
                 if !unreadable_logged {
-                    tracing::warn!(path = %path.display(), error = %e,
-                        "cannot read the policy file; keeping the policies in force");
-                    metrics.policy_reload("unreadable");
+                    unreadable(&e);
                     unreadable_logged = true;
                 }
-                continue;
-            }
-        };
-        if last_seen.as_deref() == Some(bytes.as_slice()) {
-            continue;
-        }
-        match Policies::from_json(&bytes) {
-            Ok(policies) => {
-                let old = handle.current().version.clone();
-                let version = policies.version.clone();
-                let count = policies.policies.len();
-                handle.replace(policies);
-                metrics.set_policy_version(&version);
-                metrics.policy_reload("ok");
-                tracing::info!(path = %path.display(), %old, new = %version, policies = count,
-                    "policy document reloaded");
-            }
-            Err(errors) => {
-                metrics.policy_reload("invalid");
-                tracing::error!(path = %path.display(), version_in_force = %handle.current().version,
-                    reasons = %errors, "new policy document is invalid; keeping the one in force");
             }
         }
-        last_seen = Some(bytes);
     }
+}
+
+/// Polls the policy file every `interval` until `shutdown` turns true ([`watch`]); installs
+/// every new valid document, logs and counts every invalid or unreadable one. `loaded` are
+/// the bytes the document in force was read from.
+pub async fn watch_file(
+    path: PathBuf,
+    loaded: Vec<u8>,
+    handle: Arc<PolicyHandle>,
+    metrics: Metrics,
+    interval: Duration,
+    shutdown: watch::Receiver<bool>,
+) {
+    let read = {
+        let path = path.clone();
+        move || {
+            std::fs::read(&path)
+                .map(|bytes| (bytes.clone(), bytes))
+                .map_err(|e| e.to_string())
+        }
+    };
+    let unreadable = |e: &str| {
+        tracing::warn!(path = %path.display(), error = %e,
+            "cannot read the policy file; keeping the policies in force");
+        metrics.policy_reload("unreadable");
+    };
+    let apply = |bytes: Vec<u8>| match Policies::from_json(&bytes) {
+        Ok(policies) => {
+            let old = handle.current().version.clone();
+            let version = policies.version.clone();
+            let count = policies.policies.len();
+            handle.replace(policies);
+            metrics.set_policy_version(&version);
+            metrics.policy_reload("ok");
+            tracing::info!(path = %path.display(), %old, new = %version, policies = count,
+                "policy document reloaded");
+        }
+        Err(errors) => {
+            metrics.policy_reload("invalid");
+            tracing::error!(path = %path.display(), version_in_force = %handle.current().version,
+                reasons = %errors, "new policy document is invalid; keeping the one in force");
+        }
+    };
+    watch(loaded, interval, shutdown, read, unreadable, apply).await;
 }

@@ -143,6 +143,36 @@ pub struct ServerConfig {
     pub region: Option<RegionConfig>,
     /// Hot-key reporting (`GET /v1/hot-keys`, the hot-key log line).
     pub hot_keys: HotKeySettings,
+    /// The RateLimitService listener (`crate::rls`), when configured.
+    pub rls: Option<RlsServerConfig>,
+}
+
+/// The RateLimitService (`--rls-listen`): its listener takes the lease listener's TLS
+/// settings (`tls`, the same certificate, client CA and allow-list) and its plaintext rule
+/// (loopback only, unless `insecure_plaintext`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RlsServerConfig {
+    pub listen: SocketAddr,
+    /// envoyproxy/ratelimit configuration: a YAML file, or a directory of them.
+    pub config: PathBuf,
+    /// How often the configuration is checked for changes.
+    pub poll: Duration,
+    /// Response headers (`Some`: on, with ratelimit's header names).
+    pub headers: Option<crate::rls::HeaderNames>,
+    pub bounds: crate::rls::Bounds,
+}
+
+impl RlsServerConfig {
+    /// Defaults: loopback port 8082, polled every second, no headers, the default bounds.
+    pub fn new(config: impl Into<PathBuf>) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8082)),
+            config: config.into(),
+            poll: Duration::from_secs(1),
+            headers: None,
+            bounds: crate::rls::Bounds::default(),
+        }
+    }
 }
 
 impl ServerConfig {
@@ -165,6 +195,7 @@ impl ServerConfig {
             policy_poll: Duration::from_secs(1),
             region: None,
             hot_keys: HotKeySettings::default(),
+            rls: None,
         }
     }
 
@@ -179,6 +210,28 @@ impl ServerConfig {
                  (TOLLGATE_INSECURE_PLAINTEXT=true)",
                 self.listen
             )));
+        }
+        if let Some(rls) = &self.rls {
+            if self.tls.is_none() && !is_loopback(rls.listen) && !self.insecure_plaintext {
+                return Err(StartError::Config(format!(
+                    "refusing to serve the RateLimitService (--rls-listen) in plaintext on {}, \
+                     which is not a loopback address: anyone who can reach it could spend any \
+                     budget. Serve it over mutual TLS with --tls-cert, --tls-key and \
+                     --tls-client-ca (the lease listener's), or, where something else guards \
+                     the port, say so with --insecure-plaintext",
+                    rls.listen
+                )));
+            }
+            if rls.poll.is_zero() {
+                return Err(StartError::Config(
+                    "--rls-config-poll must be longer than 0".into(),
+                ));
+            }
+        }
+        if self.policies.as_os_str().is_empty() && self.rls.is_none() {
+            return Err(StartError::Config(
+                "--policies is required unless --rls-config serves the RateLimitService".into(),
+            ));
         }
         if self.lease_ttl.is_zero() {
             return Err(StartError::Config(
@@ -265,6 +318,10 @@ pub enum StartError {
     Tls(#[from] TlsError),
     #[error("cannot set up metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("{0}")]
+    RlsRead(#[from] crate::rls::config::ReadError),
+    #[error("invalid --rls-config: {0}")]
+    RlsConfig(#[from] crate::rls::config::ConfigErrors),
 }
 
 /// A running limiter. Dropping it stops it too (without waiting).
@@ -272,6 +329,7 @@ pub enum StartError {
 pub struct Running {
     addr: SocketAddr,
     admin_addr: Option<SocketAddr>,
+    rls_addr: Option<SocketAddr>,
     shutdown: watch::Sender<bool>,
     server: Option<JoinHandle<std::io::Result<()>>>,
     tasks: Vec<JoinHandle<()>>,
@@ -286,6 +344,11 @@ impl Running {
     /// The admin listener's bound address, when there is one.
     pub fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin_addr
+    }
+
+    /// The RateLimitService listener's bound address, when there is one.
+    pub fn rls_addr(&self) -> Option<SocketAddr> {
+        self.rls_addr
     }
 
     /// Stops accepting, waits (bounded) for in-flight requests, stops the background tasks.
@@ -375,7 +438,19 @@ fn build_store(config: &ServerConfig) -> Result<AnyStore, StartError> {
 /// the store, binds `config.listen` and serves until shut down.
 pub async fn serve(config: ServerConfig) -> Result<Running, StartError> {
     config.check()?;
-    let (policies, loaded) = policies::load_file(&config.policies)?;
+    let (policies, loaded) = if config.policies.as_os_str().is_empty() {
+        // The RateLimitService alone: no policy document, no lease policies.
+        let empty = br#"{"policies":[]}"#.to_vec();
+        let policies = tollgate_core::policy::Policies::from_json(&empty).map_err(|errors| {
+            LoadError::Invalid {
+                path: PathBuf::new(),
+                errors,
+            }
+        })?;
+        (policies, empty)
+    } else {
+        policies::load_file(&config.policies)?
+    };
     let metrics = Metrics::new()?;
     metrics.set_policy_version(&policies.version);
     tracing::info!(version = %policies.version, policies = policies.policies.len(),
@@ -447,14 +522,22 @@ async fn serve_with_store<S: Store>(
             None
         }
     };
-    tasks.push(tokio::spawn(policies::watch_file(
-        config.policies.clone(),
-        loaded,
-        handle,
-        metrics,
-        config.policy_poll,
-        shutdown_rx.clone(),
-    )));
+    let rls = match &config.rls {
+        Some(rls) => {
+            Some(start_rls(&config, rls, &metrics, shutdown_rx.clone(), &mut tasks).await?)
+        }
+        None => None,
+    };
+    if !config.policies.as_os_str().is_empty() {
+        tasks.push(tokio::spawn(policies::watch_file(
+            config.policies.clone(),
+            loaded,
+            handle,
+            metrics,
+            config.policy_poll,
+            shutdown_rx.clone(),
+        )));
+    }
     tasks.push(tokio::spawn({
         let service = Arc::clone(&service);
         async move {
@@ -494,17 +577,137 @@ async fn serve_with_store<S: Store>(
     } else {
         "plaintext"
     };
+    let rls_addr = match rls {
+        Some((listener, rls_addr, app)) => {
+            let server = tokio::spawn(serve_http(listener, app, tls.clone(), shutdown_rx.clone()));
+            tasks.push(tokio::spawn(async move {
+                if let Ok(Err(e)) = server.await {
+                    tracing::error!(error = %e, "RateLimitService listener failed");
+                }
+            }));
+            tracing::info!(%rls_addr, transport, "RateLimitService (gRPC) listening");
+            Some(rls_addr)
+        }
+        None => None,
+    };
     let app = crate::http::router(service);
     let server = tokio::spawn(serve_http(listener, app, tls, shutdown_rx));
     tracing::info!(%addr, transport, "tollgate limiter listening");
     Ok(Running {
         addr,
         admin_addr,
+        rls_addr,
         shutdown,
         server: Some(server),
         tasks,
     })
 }
+
+/// Loads the RateLimitService's configuration (refusing to start on an invalid one), builds
+/// its store and its reload task, and binds its listener. The store is the configured one
+/// with lease records kept [`RLS_RECORD_TTL_MS`]: the service never replays a lease id.
+async fn start_rls(
+    config: &ServerConfig,
+    rls: &RlsServerConfig,
+    metrics: &Metrics,
+    shutdown: watch::Receiver<bool>,
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> Result<(TcpListener, SocketAddr, Router), StartError> {
+    use crate::rls::config::{fingerprint, read_sources, RlsConfig};
+    let sources = read_sources(&rls.config)?;
+    let loaded = RlsConfig::parse(&sources)?;
+    tracing::info!(path = %rls.config.display(), files = loaded.files.len(),
+        domains = loaded.domains().count(), "RateLimitService configuration loaded");
+    let handle = Arc::new(policies::Current::new(loaded));
+    let rls_metrics = crate::rls::RlsMetrics::new(metrics.registry())?;
+    let mut settings = config.store_settings();
+    settings.dedup_ttl_ms = RLS_RECORD_TTL_MS;
+    let store = match &config.store {
+        StoreConfig::Memory => AnyStore::Memory(MemoryStore::new(settings)),
+        StoreConfig::Redis(url) => {
+            AnyStore::Redis(RedisStore::new(url, &config.redis_security, settings)?)
+        }
+        StoreConfig::Cluster(urls) => AnyStore::Cluster(RedisClusterStore::new(
+            urls,
+            &config.redis_security,
+            settings,
+        )?),
+    };
+    let store = Arc::new(store);
+    tasks.push(tokio::spawn({
+        let store = Arc::clone(&store);
+        async move {
+            // The lease listener's task loads the functions too; whichever is first.
+            if let Err(e) = store.prepare().await {
+                tracing::warn!(error = %e, "RateLimitService: cannot load the store's functions yet");
+            }
+        }
+    }));
+    let path = rls.config.clone();
+    let read = {
+        let path = path.clone();
+        move || {
+            read_sources(&path)
+                .map(|sources| (fingerprint(&sources), sources))
+                .map_err(|e| e.to_string())
+        }
+    };
+    let unreadable = {
+        let m = rls_metrics.clone();
+        let path = path.clone();
+        move |e: &str| {
+            tracing::warn!(path = %path.display(), error = %e,
+                "cannot read the RateLimitService configuration; keeping the one in force");
+            m.reload("unreadable");
+        }
+    };
+    let apply = {
+        let m = rls_metrics.clone();
+        let handle = Arc::clone(&handle);
+        move |sources: Vec<(String, String)>| match RlsConfig::parse(&sources) {
+            Ok(new) => {
+                tracing::info!(path = %path.display(), files = new.files.len(),
+                    domains = new.domains().count(), "RateLimitService configuration reloaded");
+                handle.replace(new);
+                m.reload("ok");
+            }
+            Err(errors) => {
+                tracing::error!(path = %path.display(), reasons = %errors,
+                    "new RateLimitService configuration is invalid; keeping the one in force");
+                m.reload("invalid");
+            }
+        }
+    };
+    tasks.push(tokio::spawn(policies::watch(
+        fingerprint(&sources),
+        rls.poll,
+        shutdown,
+        read,
+        unreadable,
+        apply,
+    )));
+    let service = crate::rls::RlsService::new(
+        store,
+        handle,
+        rls_metrics,
+        metrics.clone(),
+        crate::rls::RlsSettings {
+            store_timeout: config.store_timeout,
+            bounds: rls.bounds,
+            headers: rls.headers.clone(),
+        },
+    );
+    let app = Router::new().route_service(
+        "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+        service.into_server(),
+    );
+    let (listener, addr) = bind(rls.listen).await?;
+    Ok((listener, addr, app))
+}
+
+/// How long the RateLimitService's lease records are kept (the Redis Function writes one per
+/// item; the service never repeats a lease id, so they only cost memory).
+pub const RLS_RECORD_TTL_MS: u64 = 1_000;
 
 async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError> {
     let bind_error = |source| StartError::Bind { addr, source };
@@ -596,6 +799,44 @@ async fn accept_failed(e: &std::io::Error) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rls_listener_follows_the_plaintext_rule_and_policies_become_optional() {
+        let mut c = ServerConfig::new("");
+        let e = c.check().unwrap_err().to_string();
+        assert!(
+            e.contains("--policies is required unless --rls-config"),
+            "{e}"
+        );
+        let mut rls = RlsServerConfig::new("rl/");
+        c.rls = Some(rls.clone());
+        assert!(c.check().is_ok());
+        rls.listen = "0.0.0.0:8082".parse().unwrap();
+        c.rls = Some(rls.clone());
+        let e = c.check().unwrap_err().to_string();
+        assert!(
+            e.contains("--rls-listen") && e.contains("not a loopback"),
+            "{e}"
+        );
+        c.insecure_plaintext = true;
+        assert!(c.check().is_ok());
+        c.insecure_plaintext = false;
+        c.tls = Some(TlsSettings {
+            cert: "c".into(),
+            key: "k".into(),
+            client_ca: "ca".into(),
+            allow: vec![],
+            reload_every: Duration::from_secs(10),
+        });
+        assert!(c.check().is_ok());
+        rls.poll = Duration::ZERO;
+        c.rls = Some(rls);
+        assert!(c
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("--rls-config-poll"));
+    }
 
     #[test]
     fn the_assignment_period_is_positive_and_shorter_than_the_dedup_ttl() {

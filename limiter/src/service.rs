@@ -38,12 +38,12 @@ pub struct ServiceSettings {
 /// Logs at most one line per second for a repeated condition (a store outage would otherwise
 /// log once per call).
 #[derive(Debug, Default)]
-struct LogThrottle {
+pub(crate) struct LogThrottle {
     last_second: AtomicU64,
 }
 
 impl LogThrottle {
-    fn allow(&self) -> bool {
+    pub(crate) fn allow(&self) -> bool {
         let second = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())

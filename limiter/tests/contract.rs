@@ -1012,6 +1012,68 @@ mod cases {
             "{stats:?}"
         );
     }
+
+    /// The RateLimitService's items (`tollgate_limiter::rls`): fixed windows under the
+    /// reserved policy, keyed by domain and descriptor entries (`store::rls_key`), `min` =
+    /// `want` = the hit's cost. Descriptors sharing their first entry share a hash tag, so one
+    /// call decides them all or nothing (on a Cluster too: one slot); the others are
+    /// independent.
+    pub async fn rls_descriptors_share_a_window_by_hash_tag(s: &impl Store) {
+        use tollgate_limiter::store::{rls_key, RLS_POLICY};
+        let domain = unique("rls");
+        let item = |id: &str, entries: &[(&str, &str)], limit: u64, cost: u64| {
+            let window = Window::new(limit, 3_600_000).unwrap();
+            LeaseItem {
+                id: unique(id),
+                policy: RLS_POLICY.into(),
+                key: rls_key(&domain, entries),
+                limits: tollgate_core::bucket::Limits::new(limit, 3_600_000, limit).unwrap(),
+                algorithm: Algorithm::FixedWindow(window),
+                min: cost,
+                want: cost,
+                holder: None,
+                demand_per_ms: 0.0,
+            }
+        };
+        let tenant = [("tenant", "t")];
+        let path = [("tenant", "t"), ("path", "/a")];
+        let granted = |o: &tollgate_limiter::store::LeaseOutcome| {
+            o.grants.iter().map(|g| g.granted).collect::<Vec<_>>()
+        };
+        // One call, one slot: both counted.
+        let o = s
+            .lease(&[item("a", &tenant, 3, 1), item("b", &path, 1, 1)])
+            .await
+            .expect("a same-tag group is one call");
+        assert_eq!(granted(&o), [1, 1]);
+        // The nested window is full: the pair is refused and the tenant's window untouched.
+        let o = s
+            .lease(&[item("a", &tenant, 3, 1), item("b", &path, 1, 1)])
+            .await
+            .unwrap();
+        assert_eq!(granted(&o), [0, 0]);
+        // Its cost of 2 still fits the tenant's window alone (3 - 1), then nothing does.
+        let (_, g) = decide(s, item("c", &tenant, 3, 2)).await;
+        assert_eq!((g.granted, g.remaining), (2, 0.0));
+        let (_, g) = decide(s, item("d", &tenant, 3, 1)).await;
+        assert_eq!(g.granted, 0);
+        assert!(
+            g.retry_after_ms > 0 && g.retry_after_ms <= 3_600_000,
+            "{g:?}"
+        );
+        // Another first entry (another tag) and another domain: windows of their own.
+        let (_, g) = decide(s, item("e", &[("tenant", "u")], 3, 3)).await;
+        assert_eq!(g.granted, 3);
+        let other = LeaseItem {
+            key: rls_key(&unique("rls"), &tenant),
+            ..item("f", &tenant, 3, 3)
+        };
+        assert_eq!(decide(s, other).await.1.granted, 3);
+        // Hostile values stay in their key's slot and bounded.
+        let long = "v".repeat(65_536);
+        let (_, g) = decide(s, item("g", &[("tenant", "{t}"), ("p", &long)], 1, 1)).await;
+        assert_eq!(g.granted, 1);
+    }
 }
 
 macro_rules! contract {
@@ -1151,6 +1213,11 @@ macro_rules! contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn calendar_windows_end_at_calendar_boundaries() {
                 cases::calendar_windows_end_at_calendar_boundaries(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn rls_descriptors_share_a_window_by_hash_tag() {
+                cases::rls_descriptors_share_a_window_by_hash_tag(&store().await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

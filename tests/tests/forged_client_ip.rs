@@ -219,7 +219,8 @@ async fn behind_a_trusted_proxy_trusted_hops_counts_as_envoy(build: Build) {
 
 /// Every ingress connection manager of every shipped Envoy config takes the client address
 /// from the connection (the e2e cases above run three of them; `envoy/global-mtls.yaml` is
-/// `envoy/global.yaml` plus TLS to the limiter, which `limiter_tls.rs` holds it to).
+/// `envoy/global.yaml` plus TLS to the limiter, which `limiter_tls.rs` holds it to; `rls.rs`
+/// runs `envoy/ratelimit-service.yaml`, whose `remote_address` descriptors read it).
 #[test]
 fn every_shipped_envoy_config_uses_the_remote_address() {
     let dir = paths::workspace_root().join("envoy");
@@ -262,7 +263,13 @@ fn every_shipped_envoy_config_uses_the_remote_address() {
     checked.sort();
     assert_eq!(
         checked,
-        ["global-mtls.yaml", "global.yaml", "llm.yaml", "local.yaml"]
+        [
+            "global-mtls.yaml",
+            "global.yaml",
+            "llm.yaml",
+            "local.yaml",
+            "ratelimit-service.yaml"
+        ]
     );
 }
 

@@ -11,7 +11,8 @@
 //! user, entrypoint, labels, fixed creation time), umoci unpacks it rootless (verifying every
 //! blob digest and diff_id) into an OCI runtime bundle, and the binary of that root file
 //! system, started with nothing from the host's environment, answers `/healthz` and grants a
-//! lease. The deployment manifest pins the image by digest, and tools/k8s-pin re-pins it to
+//! lease, and, configured as envoyproxy/ratelimit's replacement, answers the RateLimitService.
+//! The deployment manifest pins the image by digest, and tools/k8s-pin re-pins it to
 //! the build (what a release does), checks a pin, and renders a pinned copy of deploy/k8s.
 
 mod ops;
@@ -327,6 +328,77 @@ fn limiter_image_is_reproducible_minimal_and_serves_from_its_unpacked_rootfs() {
     assert_eq!(v["leases"][0]["granted"], 3, "{v}");
     assert!(limiter.is_running());
     limiter.kill();
+
+    // The same binary in place of envoyproxy/ratelimit (README, *Replace envoyproxy/
+    // ratelimit*): configured by the environment alone, no policy document, the
+    // RateLimitService reading ratelimit's configuration directory.
+    let config = dir.join("ratelimit-config");
+    std::fs::create_dir_all(&config).unwrap();
+    std::fs::copy(
+        root().join("deploy/ratelimit/config/edge.yaml"),
+        config.join("config.yaml"),
+    )
+    .unwrap();
+    let (lease_port, rls_port) = (free_port(), free_port());
+    let mut cmd = Command::new(&binary);
+    cmd.env_clear()
+        .env("TOLLGATE_LISTEN", format!("127.0.0.1:{lease_port}"))
+        .env("TOLLGATE_RLS_LISTEN", format!("127.0.0.1:{rls_port}"))
+        .env("TOLLGATE_RLS_CONFIG", &config)
+        .current_dir(&rootfs);
+    let mut rls = ChildProcess::spawn("rls-from-image", cmd, &dir).unwrap();
+    process::wait_for(
+        "the image's RateLimitService",
+        Duration::from_secs(15),
+        || {
+            http_blocking::get(lease_port, "/healthz", Duration::from_millis(500))
+                .ok()
+                .filter(|r| r.status == 200)
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}: {}", process::tail(&rls.stderr(), 10)));
+    let codes = rls_codes(rls_port, 6);
+    assert_eq!(
+        codes,
+        [1, 1, 1, 1, 1, 2],
+        "5 OK (1) then OVER_LIMIT (2): {codes:?}"
+    );
+    rls.kill();
+}
+
+/// `n` calls of the RateLimitService on `port` for tenant `acme` of domain `edge`: their
+/// overall codes.
+fn rls_codes(port: u16, n: usize) -> Vec<i32> {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
+            .await
+            .unwrap();
+        let mut codes = Vec::new();
+        for _ in 0..n {
+            let request = RateLimitRequest {
+                domain: "edge".into(),
+                descriptors: vec![RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: "tenant".into(),
+                        value: "acme".into(),
+                    }],
+                    ..Default::default()
+                }],
+                hits_addend: 0,
+            };
+            let answer = client.should_rate_limit(request).await.unwrap();
+            codes.push(answer.into_inner().overall_code);
+        }
+        codes
+    })
 }
 
 // --- deploy/k8s pins the image by digest ---------------------------------------------------

@@ -7,7 +7,7 @@
 // The CRD schemas allow unknown fields (an API server prunes them silently, so a typo'd field
 // would vanish), so every key is also checked against the field names the schema declares for
 // that kind — a name-only check that catches typos, skipping free-form maps (pluginConfig,
-// labels, annotations, matchLabels).
+// labels, annotations, matchLabels, an EnvoyFilter patch's value).
 //
 // Usage: node validate.mjs [--modules DIR] FILE...   (DIR: where node_modules is; default:
 // next to this script, then <repo>/.venv/node/node_modules). Non-Istio documents (core
@@ -34,6 +34,9 @@ const pkg = join(modules, "@kubernetes-models", "istio");
 const YAML = await import(pathToFileURL(join(modules, "yaml", "dist", "index.js")).href);
 
 const FREE_FORM = new Set(["pluginConfig", "labels", "annotations", "matchLabels"]);
+// Free-form by path: an EnvoyFilter patch's `value` is Envoy configuration (a protobuf
+// Struct), which the Istio schema does not describe.
+const FREE_FORM_PATHS = [/\.configPatches\[\d+\]\.patch\.value$/];
 const fieldNames = new Map();
 
 function declaredFields(group, version, kind) {
@@ -51,7 +54,8 @@ function unknownKeys(value, known, path, out) {
   } else if (value !== null && typeof value === "object") {
     for (const [k, v] of Object.entries(value)) {
       if (!known.has(k)) out.push(`${path}.${k}`);
-      else if (!FREE_FORM.has(k)) unknownKeys(v, known, `${path}.${k}`, out);
+      else if (!FREE_FORM.has(k) && !FREE_FORM_PATHS.some((p) => p.test(`${path}.${k}`)))
+        unknownKeys(v, known, `${path}.${k}`, out);
     }
   }
 }

@@ -20,6 +20,13 @@
 //! | sliding log: units | `…:<policy>:<key>\|log:<window_ms>` | sorted set, score = time |
 //! | sliding log: newest time seen | `…\|log:<window_ms>:seen` | string: ms |
 //!
+//! Buckets of the RateLimitService (`crate::rls`, Envoy's gRPC rate-limit protocol) are fixed
+//! windows under the reserved policy name [`RLS_POLICY`] (`~` is not allowed in a policy
+//! name, so no policy document can name their state) and the key [`rls_key`] builds from the
+//! request's domain and descriptor entries: its first part, so its hash tag, is the domain and
+//! the descriptor's first entry, so every descriptor of one domain that starts with the same
+//! entry (e.g. one tenant) lives in one Redis Cluster slot and can be decided in one call.
+//!
 //! `<grid>` is the window's length in ms, or a calendar period (`1w`, `1mo`, `12mo` for a year:
 //! [`window_grid`]), whose window index is a week or month number, not a multiple of a length.
 //!
@@ -92,6 +99,41 @@ pub fn lease_key(key: &str, lease_id: &str) -> String {
     )
 }
 
+/// Policy name of the RateLimitService's buckets: outside the policy-name alphabet
+/// (`[A-Za-z0-9._-]`), so it can never be a policy document's.
+pub const RLS_POLICY: &str = "~rls";
+
+/// One length-prefixed field of an RLS key part: `<bytes>~<text>`, so no choice of domains,
+/// keys and values can make two different descriptors produce the same part.
+fn push_field(out: &mut Vec<u8>, text: &str) {
+    out.extend_from_slice(text.len().to_string().as_bytes());
+    out.push(b'~');
+    out.extend_from_slice(text.as_bytes());
+}
+
+/// The wire key of an RLS bucket: the domain with the first entry (the hash tag), then the
+/// other entries, each part escaped (`tollgate_core::key::escape_part`: a part longer than
+/// 64 bytes once escaped becomes its SHA-256 digest, so the key stays bounded whatever the
+/// input). Entries are `(key, value)`; `value` is what the bucket is counted under (the
+/// request's value, or a `share_threshold` pattern). An empty `entries` gives the domain's
+/// part alone.
+pub fn rls_key(domain: &str, entries: &[(&str, &str)]) -> String {
+    let mut first = Vec::new();
+    push_field(&mut first, domain);
+    let mut rest = Vec::new();
+    for (i, (key, value)) in entries.iter().enumerate() {
+        let out = if i == 0 { &mut first } else { &mut rest };
+        push_field(out, key);
+        push_field(out, value);
+    }
+    let head = escape_part(&first);
+    if entries.len() < 2 {
+        head
+    } else {
+        format!("{head}:{}", escape_part(&rest))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,6 +196,36 @@ mod tests {
         }
         // No token bucket key (any policy, any valid key) contains `|`.
         assert!(!bucket_key("p", "a:w1").contains('|'));
+    }
+
+    #[test]
+    fn rls_keys_are_valid_distinct_and_tagged_by_domain_and_first_entry() {
+        use tollgate_core::key::validate_key;
+        let keys = [
+            rls_key("d", &[]),
+            rls_key("d", &[("k", "v")]),
+            rls_key("d", &[("k", "v"), ("p", "/a")]),
+            rls_key("d", &[("k", "v"), ("p", "/b")]),
+            rls_key("d", &[("k_v", "")]),
+            rls_key("d_k", &[("v", "")]),
+            rls_key("d", &[("k", "v"), ("p", "/a"), ("x", "")]),
+            rls_key("d", &[("k", "v"), ("p", "/a:x")]),
+            rls_key("e", &[("k", "v")]),
+        ];
+        let distinct: std::collections::HashSet<&String> = keys.iter().collect();
+        assert_eq!(distinct.len(), keys.len(), "{keys:?}");
+        for k in &keys {
+            validate_key(k).unwrap();
+        }
+        assert_eq!(hash_tag(&keys[2]), hash_tag(&keys[3]));
+        assert_eq!(hash_tag(&keys[2]), keys[1]);
+        assert_ne!(hash_tag(&keys[1]), hash_tag(&keys[8]));
+        // Hostile bytes stay escaped, and a long value stays bounded.
+        let long = "v".repeat(65_536);
+        let k = rls_key("d{x}", &[("a:b", "{}"), ("c", &long)]);
+        validate_key(&k).unwrap();
+        assert!(k.len() < 200, "{}", k.len());
+        assert_eq!(bucket_key(RLS_POLICY, &k).matches('{').count(), 1);
     }
 
     #[test]

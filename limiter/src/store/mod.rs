@@ -38,7 +38,7 @@ mod watchdog;
 
 pub(crate) use any::AnyStore;
 pub use cluster::RedisClusterStore;
-pub use keys::{fixed_count_key, log_seen_key};
+pub use keys::{fixed_count_key, log_seen_key, rls_key, RLS_POLICY};
 pub use memory::{MemoryStore, WindowState};
 pub use security::{RedisSecurity, Secret};
 pub use single::RedisStore;

@@ -722,6 +722,11 @@ end
 --             now it may be spent, 0 once it ended: a fixed or sliding window's at the end of
 --             its window, a sliding log's at the end of the window-grid slot it was granted
 --             in, when its units were entered in the log; -1 for a bucket's) }.
+--   The limiter's RateLimitService (Envoy's gRPC rate-limit protocol, `rls.rs`) calls this
+--   too: one 'fixed_window' item per counted descriptor (KEYS: `store::keys::rls_key` under
+--   the reserved policy `~rls`, its lease record), min = want = the hit's cost, window = the
+--   unit's length in ms (epoch-aligned, as envoyproxy/ratelimit counts), the items of one
+--   hash tag in one call; granted > 0 is OK, 0 is OVER_LIMIT.
 local function lease_fn(keys, args)
   local n = #keys / 2
   if n < 1 or n ~= math.floor(n) or #args ~= 3 + 8 * n then
