@@ -82,7 +82,8 @@ pub struct PolicySpec {
     /// Settle the actual cost, read from the response, when the stream ends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub settle: Option<SettleSpec>,
-    /// Most requests of one key in flight at once on one Envoy instance (all its workers).
+    /// Most requests of one key in flight at once on one Envoy instance (all its workers);
+    /// `0` refuses every request the policy applies to (a refusing rule).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<u32>,
     /// A slot of `max_in_flight` whose release never came expires after this long (at most a
@@ -2044,11 +2045,12 @@ fn compile_in_flight(
         }
         return None;
     };
-    if max == 0 || max > MAX_IN_FLIGHT {
+    // 0: no request may be in flight, so every request the policy applies to is refused.
+    if max > MAX_IN_FLIGHT {
         errors.push(
             name,
             at("max_in_flight"),
-            format!("must be between 1 and {MAX_IN_FLIGHT}"),
+            format!("must be between 0 (refuse every request) and {MAX_IN_FLIGHT}"),
         );
         return None;
     }

@@ -320,7 +320,7 @@ fn reserve_settle_and_in_flight_errors_name_the_field() {
             "between",
         ),
         (
-            r#","max_in_flight":0"#,
+            r#","max_in_flight":1000001"#,
             "policies[0].max_in_flight",
             "between",
         ),
@@ -706,4 +706,14 @@ fn limits_entries_take_the_policy_algorithm() {
         &p.limits_by.as_ref().unwrap().by,
         KeyPart::JwtClaim { path } if path.last().map(String::as_str) == Some("plan")
     ));
+}
+
+#[test]
+fn max_in_flight_zero_is_a_refusing_rule() {
+    let policies = Policies::from_json(policy(r#","max_in_flight":0"#).as_bytes()).unwrap();
+    let limit = policies.get("p").unwrap().in_flight.unwrap();
+    assert_eq!(limit.max, 0);
+    // No slot can be taken: every request is refused.
+    let mut slots = crate::in_flight::Slots::default();
+    assert_eq!(slots.take(limit.max, limit.timeout_ms, 1_000), None);
 }
