@@ -1020,6 +1020,16 @@ fn compile(document: PolicyDocument, version: String) -> Result<Policies, Policy
             policy.headers_on_allow = spec
                 .ratelimit_headers_on_allow
                 .unwrap_or(document.response.ratelimit_headers_on_allow);
+            // Each `limits` entry is the policy at another rate: the same answer.
+            if let Some(by) = policy.limits_by.as_mut() {
+                let on = policy.headers_on_allow;
+                by.values
+                    .iter_mut()
+                    .chain(by.overrides.iter_mut())
+                    .map(|(_, p)| p)
+                    .chain(by.default.iter_mut())
+                    .for_each(|p| p.headers_on_allow = on);
+            }
             policies.push(policy);
         }
     }

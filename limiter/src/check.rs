@@ -1,6 +1,8 @@
 //! `tollgate-limiter check-policies FILE...`: validates policy documents with the one
 //! validation the filter and the limiter share (`tollgate_core::policy`), so teams can gate
-//! policy changes in CI. Every error is reported with its policy, field and reason.
+//! policy changes in CI. Every error is reported with its policy, field and reason. With
+//! `--explain`, a valid document is also asked what it makes of a sample request
+//! ([`crate::explain`]).
 
 use std::path::PathBuf;
 

@@ -5,7 +5,8 @@
 //! * A malformed batch (bad JSON, unknown fields, negative or fractional amounts, more than
 //!   `MAX_BATCH` items, more than `MAX_SETTLED_POLICIES` entries in `settled`) is refused
 //!   whole ([`BatchRefused`], answered 400 with the reason).
-//! * Per item: an unknown or non-global policy is `INVALID_POLICY`; a bad key, a bad id,
+//! * Per item: an unknown or non-global policy is `INVALID_POLICY`, and so is a key naming a
+//!   `limits` entry this document does not have (the rate is always this document's); a bad key, a bad id,
 //!   `min == 0`, `min > burst`, a bad `holder` or a bad `demand_per_s` is `INVALID_REQUEST`;
 //!   `want` is clamped to `[min, burst]`.
 //! * A group is decided in one store call, so its keys must share a hash tag; one invalid
