@@ -1705,7 +1705,12 @@ fn check_tag_headers(policies: &[Policy], errors: &mut Collector) {
                 .reserve
                 .as_ref()
                 .is_some_and(|r| matches!(&r.source, UnitsSource::Header(h) if h == tag));
+            let plan_header = other
+                .limits_by
+                .as_ref()
+                .is_some_and(|by| matches!(&by.by, KeyPart::Header(h) if h == tag));
             reserve_header
+                || plan_header
                 || other
                     .key
                     .iter()

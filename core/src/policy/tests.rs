@@ -717,3 +717,17 @@ fn max_in_flight_zero_is_a_refusing_rule() {
     let mut slots = crate::in_flight::Slots::default();
     assert_eq!(slots.take(limit.max, limit.timeout_ms, 1_000), None);
 }
+
+#[test]
+fn a_tag_header_is_never_a_limits_by_header() {
+    let errors = errors_of(&by_value(
+        PLANS,
+        r#","on_over_limit":{"action":"tag","header":"x-plan"}"#,
+    ));
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.field == "policies[0].on_over_limit.header" && e.reason.contains("x-plan")),
+        "{errors:?}"
+    );
+}
