@@ -136,7 +136,10 @@ pub fn choose_entry(
     from: usize,
     source: &impl RequestSource,
 ) -> bool {
-    if key.get(from..).is_some_and(|identity| by.has_override(identity)) {
+    if key
+        .get(from..)
+        .is_some_and(|identity| by.has_override(identity))
+    {
         key.push(':');
         key.push_str(OVERRIDE_ENTRY_PART);
         return true;

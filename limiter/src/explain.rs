@@ -112,12 +112,12 @@ pub fn explain(policies: &Policies, request: &SampleRequest) -> Result<String, E
     for (index, policy) in policies.policies.iter().enumerate() {
         let name = &policy.name;
         if let Some(m) = plan.matched().find(|m| m.index == index) {
-            let rated = policy.rated(&m.key);
+            let rated = policy.rated(m.key());
             let route = policy
                 .match_request(&facts.host, &facts.method, &facts.path)
                 .and_then(|r| r.route)
                 .map_or(String::new(), |r| format!("route `{r}`, "));
-            let entry = match (&policy.limits_by, key::split_entry(&m.key).1) {
+            let entry = match (&policy.limits_by, key::split_entry(m.key()).1) {
                 (Some(by), Some(_)) => by
                     .entries()
                     .find(|(_, p)| std::ptr::eq(*p, rated))
@@ -131,7 +131,7 @@ pub fn explain(policies: &Policies, request: &SampleRequest) -> Result<String, E
                 out,
                 "policy `{name}`: applies: {route}key `{}`, {entry}cost {}, rate {} per {}ms, \
                  burst {}, {}, scope {}, {enforced}",
-                m.key,
+                m.key(),
                 m.cost,
                 rated.units,
                 rated.per_ms,

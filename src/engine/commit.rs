@@ -32,7 +32,11 @@ impl Engine {
             [] => return,
             [m] => {
                 // `rated`: a `limits` policy decides at its key's entry's rate.
-                let Some(policy) = self.policies.policies.get(m.index).map(|p| p.rated(m.key()))
+                let Some(policy) = self
+                    .policies
+                    .policies
+                    .get(m.index)
+                    .map(|p| p.rated(m.key()))
                 else {
                     return;
                 };

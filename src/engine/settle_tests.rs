@@ -219,7 +219,10 @@ fn max_in_flight_zero_refuses_every_request() {
     for now in [1_000, 60_000, 3_600_000] {
         let refused = admit(&e, &store, &req(&[("x-tenant", "acme")]), now);
         assert!(matches!(refused.verdict, Verdict::Reply(ref r) if r.status == 429));
-        assert_eq!(refused.outcomes, vec![(0, Outcome::InFlightDenied)]);
+        assert_eq!(
+            refused.outcomes.to_vec(),
+            vec![(0, Outcome::InFlightDenied)]
+        );
     }
 }
 
