@@ -365,16 +365,29 @@ async fn lowering_an_override_admits_no_more_than_the_new_burst(build: Build) {
     // refill of one token, `lease_max: 1`), which it may spend as leased.
     let spent = burst(port, 3, 1, |i| item("acme", None, i)).await;
     assert_eq!(admitted(&spent), 3);
-    let held = granted() - 3;
-    assert!(held <= 1, "{held} tokens leased ahead");
     reload(&limiter, &doc(2), 1);
+    // What was granted before the reload took effect beyond the 3 spent: held by the filter
+    // (its background refill may still be answered meanwhile).
     let before = granted();
+    let held = before - 3;
+    assert!(held <= 1, "{held} tokens leased ahead");
     let lowered = burst(port, 10, 5, |i| item("acme", None, 100 + i)).await;
-    // The limiter grants at most the new burst; the filter admits that and what it held.
+    // The limiter grants at most the new burst; the filter admits that and what it held, and
+    // never more than the new burst plus one lease of `lease_max` (1).
     let after = granted() - before;
-    assert_eq!(after, 2, "the limiter granted {after} after lowering to 2");
-    assert_eq!(admitted(&lowered), after + held, "lowered to 2 with 7 left");
-    assert!(admitted(&lowered) <= 2 + held);
+    assert!(
+        after <= 2,
+        "the limiter granted {after} after lowering to 2"
+    );
+    let lowered = admitted(&lowered);
+    assert!(
+        lowered <= after + held,
+        "{lowered} admitted, {after} + {held} granted"
+    );
+    assert!(
+        (2..=3).contains(&lowered),
+        "lowered to 2 with 7 left: {lowered}"
+    );
     // Raised again with the bucket empty: it stays empty (no fresh burst for a changed
     // number).
     reload(&limiter, &doc(10), 2);
@@ -382,7 +395,7 @@ async fn lowering_an_override_admits_no_more_than_the_new_burst(build: Build) {
     let raised = burst(port, 10, 5, |i| item("acme", None, 200 + i)).await;
     assert_eq!(granted() - before, 0);
     assert_eq!(admitted(&raised), 0, "raised to 10 with none left");
-    assert_eq!(upstream.requests() as usize, 3 + admitted(&lowered));
+    assert_eq!(upstream.requests() as usize, 3 + lowered);
 }
 
 const JWT_SECRET: &[u8] = b"tollgate-e2e-hs256-secret-0123456789";
