@@ -369,7 +369,11 @@ impl Engine {
         now_ms: u64,
         fresh: bool,
     ) -> Result<Option<ReturnNeed>, TableError> {
-        let policy = self.policies.policies.get(need.policy);
+        let policy = self
+            .policies
+            .policies
+            .get(need.policy)
+            .map(|p| p.rated(&need.key));
         let at = global::GrantTimes {
             now_ms,
             asked_ms: need.asked_ms,
@@ -428,7 +432,10 @@ impl Engine {
     ) -> Result<(), TableError> {
         let (Some(settings), Some(policy)) = (
             self.policies.limiter.as_ref(),
-            self.policies.policies.get(need.policy),
+            self.policies
+                .policies
+                .get(need.policy)
+                .map(|p| p.rated(&need.key)),
         ) else {
             return Ok(());
         };

@@ -12,8 +12,10 @@ use std::borrow::Cow;
 use std::net::IpAddr;
 use tollgate_core::condition::Fact;
 use tollgate_core::identity::{api_key_digest, ip_from_forwarded_for, ip_from_socket_address};
-use tollgate_core::key::{escape_part_into, ANONYMOUS_PART};
-use tollgate_core::policy::{KeyPart, Policy, RouteMatch};
+use tollgate_core::key::{
+    escape_part_into, ANONYMOUS_PART, DEFAULT_ENTRY_PART, OVERRIDE_ENTRY_PART, VALUE_ENTRY_PREFIX,
+};
+use tollgate_core::policy::{KeyPart, LimitsBy, Policy, RouteMatch};
 use tollgate_core::route::path_segment;
 
 /// Read access to the request being decided.
@@ -122,6 +124,51 @@ pub fn write_key(
         }
     }
     true
+}
+
+/// Appends to a built key (in `key` from `from`: the plan's buffer holds the policy's name
+/// before it) the part naming its `limits` entry: the key's override, else the `values` entry
+/// of the `by` fact's value, else the default. `false` (the key left as it was): none
+/// applies, and the request is one without its identity.
+pub fn choose_entry(
+    by: &LimitsBy,
+    key: &mut String,
+    from: usize,
+    source: &impl RequestSource,
+) -> bool {
+    if key
+        .get(from..)
+        .is_some_and(|identity| by.has_override(identity))
+    {
+        key.push(':');
+        key.push_str(OVERRIDE_ENTRY_PART);
+        return true;
+    }
+    let identity = key.len();
+    key.push(':');
+    key.push_str(VALUE_ENTRY_PREFIX);
+    let present = match &by.by {
+        KeyPart::Header(name) => source.with_header(name, |value| escaped(key, value)),
+        KeyPart::JwtClaim { path } => {
+            let path: Vec<&str> = path.iter().map(String::as_str).collect();
+            escaped(key, source.property(&path).as_deref())
+        }
+        _ => false,
+    };
+    if present
+        && key
+            .get(identity + 1..)
+            .is_some_and(|part| by.has_value(part))
+    {
+        return true;
+    }
+    key.truncate(identity);
+    if by.has_default() {
+        key.push(':');
+        key.push_str(DEFAULT_ENTRY_PART);
+        return true;
+    }
+    false
 }
 
 /// Escapes a non-empty value into the key; `false` when it is absent or empty.
@@ -247,6 +294,41 @@ mod tests {
             key,
             PolicyKey::Key("acme:GET%20%2fitems%2f%7bid%7d:GET".into())
         );
+    }
+
+    #[test]
+    fn a_limits_entry_is_the_last_key_part() {
+        let p = Policies::from_json(
+            br#"{"policies":[{"name":"p","key":[{"header":"x-tenant-id"}],"limits":{
+              "by":{"header":"x-plan"},
+              "values":{"pro":{"rate":{"units":5,"per":"1m"},"burst":5},"a b":{"rate":{"units":3,"per":"1m"},"burst":3}},
+              "default":{"rate":{"units":1,"per":"1m"},"burst":1},
+              "overrides":{"acme":{"rate":{"units":7,"per":"1m"},"burst":7}}}}]}"#,
+        )
+        .unwrap();
+        let policy = &p.policies[0];
+        let Some(by) = policy.limits_by.as_deref() else {
+            panic!("limits compiled")
+        };
+        let entry = |tenant: &str, plan: Option<&[u8]>| {
+            let mut src = Fake::default();
+            if let Some(plan) = plan {
+                src.headers.insert("x-plan".into(), plan.to_vec());
+            }
+            let mut key = tenant.to_string();
+            assert!(choose_entry(by, &mut key, 0, &src));
+            (key.clone(), policy.rated(&key).burst)
+        };
+        assert_eq!(entry("t", Some(b"pro")), ("t:!vpro".into(), 5));
+        assert_eq!(entry("t", Some(b"a b")), ("t:!va%20b".into(), 3));
+        // An unknown, empty, absent or oversized value takes the default.
+        assert_eq!(entry("t", Some(b"gold")), ("t:!d".into(), 1));
+        assert_eq!(entry("t", Some(b"")), ("t:!d".into(), 1));
+        assert_eq!(entry("t", None), ("t:!d".into(), 1));
+        assert_eq!(entry("t", Some(&[b'p'; 500])), ("t:!d".into(), 1));
+        // The tenant's override, whatever its plan says.
+        assert_eq!(entry("acme", Some(b"pro")), ("acme:!o".into(), 7));
+        assert!(validate_key("acme:!o").is_ok() && validate_key("t:!va%20b").is_ok());
     }
 
     /// A host that lends header values in place: `header` (a copy) is never asked.

@@ -39,6 +39,39 @@ const PLAIN: [bool; 256] = {
     plain
 };
 
+/// The last key part of a policy with `limits` names the entry whose rate decides the bucket:
+/// `!v<escaped value>` (a `values` entry), [`DEFAULT_ENTRY_PART`] or [`OVERRIDE_ENTRY_PART`]
+/// (the override of the key the part follows). `!` is outside the escaped alphabet, so no
+/// identity can produce an entry part, and an entry part is never [`ANONYMOUS_PART`].
+pub const VALUE_ENTRY_PREFIX: &str = "!v";
+/// The entry part of a policy's `limits.default`.
+pub const DEFAULT_ENTRY_PART: &str = "!d";
+/// The entry part of a policy's `limits.overrides` entry for the key before it.
+pub const OVERRIDE_ENTRY_PART: &str = "!o";
+/// Longest escaped value a `values` entry may name (its part, with the prefix, stays within
+/// [`MAX_PART_BYTES`] and is never replaced by a digest).
+pub const MAX_ENTRY_VALUE_BYTES: usize = MAX_PART_BYTES - VALUE_ENTRY_PREFIX.len();
+
+/// Whether `part` has the form of a limits entry part (not whether a policy has the entry).
+pub fn is_entry_part(part: &str) -> bool {
+    if part == DEFAULT_ENTRY_PART || part == OVERRIDE_ENTRY_PART {
+        return true;
+    }
+    part.strip_prefix(VALUE_ENTRY_PREFIX).is_some_and(|value| {
+        value.len() <= MAX_ENTRY_VALUE_BYTES
+            && !value.starts_with(['#', '!'])
+            && is_valid_part(value)
+    })
+}
+
+/// A key split into its identity and its limits entry part, when its last part is one.
+pub fn split_entry(key: &str) -> (&str, Option<&str>) {
+    match key.rsplit_once(':') {
+        Some((identity, last)) if is_entry_part(last) => (identity, Some(last)),
+        _ => (key, None),
+    }
+}
+
 fn is_plain(byte: u8) -> bool {
     PLAIN.get(usize::from(byte)).copied().unwrap_or(false)
 }
@@ -118,10 +151,25 @@ pub fn join_parts<S: AsRef<str>>(parts: &[S]) -> String {
 }
 
 /// Checks a key that arrived over the wire: 1..=[`MAX_PARTS`] parts, each one of the forms
-/// [`escape_part`] produces (or [`ANONYMOUS_PART`]).
+/// [`escape_part`] produces (or [`ANONYMOUS_PART`]), and at most one limits entry part after
+/// at least one identity part (whether the policy has that entry is the policy's to say).
 pub fn validate_key(key: &str) -> Result<(), String> {
     if key.is_empty() {
         return Err("key is empty".into());
+    }
+    if let (identity, Some(_)) = split_entry(key) {
+        if key.len() > MAX_KEY_BYTES {
+            return Err(format!("key is longer than {MAX_KEY_BYTES} bytes"));
+        }
+        return validate_key(identity).and_then(|()| {
+            if identity.split(':').count() >= MAX_PARTS {
+                Err(format!("key has more than {MAX_PARTS} parts"))
+            } else if split_entry(identity).1.is_some() {
+                Err("key has more than one limits entry part".into())
+            } else {
+                Ok(())
+            }
+        });
     }
     if key.len() > MAX_KEY_BYTES {
         return Err(format!("key is longer than {MAX_KEY_BYTES} bytes"));
@@ -230,6 +278,35 @@ mod tests {
         ] {
             assert!(validate_key(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn entry_parts_come_last_and_once() {
+        assert!(validate_key("acme:!vpro").is_ok());
+        assert!(validate_key("acme:GET%20%2fa:!d").is_ok());
+        assert!(validate_key("!anonymous:!o").is_ok());
+        assert_eq!(split_entry("acme:!vpro"), ("acme", Some("!vpro")));
+        assert_eq!(
+            split_entry("acme:!vgold%20plan"),
+            ("acme", Some("!vgold%20plan"))
+        );
+        assert_eq!(split_entry("acme"), ("acme", None));
+        assert_eq!(split_entry("!anonymous"), ("!anonymous", None));
+        for bad in [
+            "!vpro",
+            "!d",
+            "!vpro:acme",
+            "acme:!d:!o",
+            "acme:!v",
+            "acme:!x",
+            "acme:!v#0123",
+            "acme:!v!anonymous",
+            &format!("acme:!v{}", "p".repeat(63)),
+            &format!("{}!d", "a:".repeat(8)),
+        ] {
+            assert!(validate_key(bad).is_err(), "{bad}");
+        }
+        assert!(validate_key(&format!("{}!d", "a:".repeat(7))).is_ok());
     }
 
     #[test]

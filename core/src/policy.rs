@@ -48,11 +48,17 @@ pub struct PolicySpec {
     pub key: Vec<KeyPartSpec>,
     #[serde(default)]
     pub on_missing_key: OnMissingKey,
-    pub rate: RateSpec,
+    /// The policy's rate; required unless `limits` gives one per value of an identity fact.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<RateSpec>,
     /// Token bucket: most units at once (required). Windowed algorithms admit `rate.units` per
     /// `rate.per` and take no burst.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub burst: u64,
+    /// Rates by value: the rate (and burst) chosen by the value of one trusted identity fact,
+    /// with a default and per-key overrides, instead of `rate` and `burst`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<LimitsSpec>,
     /// How the limit is counted (default `token_bucket`).
     #[serde(default)]
     pub algorithm: AlgorithmName,
@@ -76,7 +82,8 @@ pub struct PolicySpec {
     /// Settle the actual cost, read from the response, when the stream ends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub settle: Option<SettleSpec>,
-    /// Most requests of one key in flight at once on one Envoy instance (all its workers).
+    /// Most requests of one key in flight at once on one Envoy instance (all its workers);
+    /// `0` refuses every request the policy applies to (a refusing rule).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<u32>,
     /// A slot of `max_in_flight` whose release never came expires after this long (at most a
@@ -91,6 +98,34 @@ pub struct PolicySpec {
     /// (default: the document's `response.ratelimit_headers_on_allow`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ratelimit_headers_on_allow: Option<bool>,
+}
+
+/// `limits`: a rate per value of one trusted identity fact (`by`), a `default` for other
+/// values, and `overrides` per key (the policy's key as tollgate builds it, e.g. a tenant id).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSpec {
+    /// The fact whose value picks the entry: a trusted `header` or a `jwt_claim`.
+    pub by: KeyPartSpec,
+    /// Value (as the request carries it) → its rate.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub values: BTreeMap<String, LimitSpec>,
+    /// The rate of a request whose value is absent or has no entry (without it, such a request
+    /// is one without its identity: `on_missing_key` decides).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<LimitSpec>,
+    /// Key → its own rate, whatever the value.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub overrides: BTreeMap<String, LimitSpec>,
+}
+
+/// One entry of `limits`: a rate, and the burst of a token bucket.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSpec {
+    pub rate: RateSpec,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub burst: u64,
 }
 
 /// `on_over_limit`: `{"action": "reject"}` or `{"action": "tag", "header": "..."}`.
@@ -717,6 +752,76 @@ pub struct Policy {
     pub tag: Option<String>,
     /// This policy's `RateLimit-Policy`/`RateLimit` fields go on allowed responses.
     pub headers_on_allow: bool,
+    /// `limits`: the entries whose rates replace the numbers above (which are those of the
+    /// default entry, or else of the first entry, for whatever needs one rate by name).
+    pub limits_by: Option<Box<LimitsBy>>,
+}
+
+/// A validated `limits`: each entry is the policy with the entry's rate, burst and window.
+#[derive(Debug, Clone)]
+pub struct LimitsBy {
+    /// The fact whose value picks a `values` entry (a header or a claim).
+    pub by: KeyPart,
+    /// By entry part (`!v<escaped value>`), sorted.
+    values: Vec<(String, Policy)>,
+    /// By key (as built), sorted.
+    overrides: Vec<(String, Policy)>,
+    default: Option<Policy>,
+}
+
+impl LimitsBy {
+    /// Whether `key` (identity parts only) has an override.
+    pub fn has_override(&self, key: &str) -> bool {
+        self.overrides
+            .binary_search_by(|(k, _)| k.as_str().cmp(key))
+            .is_ok()
+    }
+
+    /// Whether a `values` entry has the entry part `part` (`!v<escaped value>`).
+    pub fn has_value(&self, part: &str) -> bool {
+        self.values
+            .binary_search_by(|(p, _)| p.as_str().cmp(part))
+            .is_ok()
+    }
+
+    pub fn has_default(&self) -> bool {
+        self.default.is_some()
+    }
+
+    /// The entry a key built for this policy names: its last part, and for an override the
+    /// identity before it. `None`: no entry of this document.
+    pub fn entry(&self, key: &str) -> Option<&Policy> {
+        let (identity, part) = key::split_entry(key);
+        match part? {
+            key::DEFAULT_ENTRY_PART => self.default.as_ref(),
+            key::OVERRIDE_ENTRY_PART => self
+                .overrides
+                .binary_search_by(|(k, _)| k.as_str().cmp(identity))
+                .ok()
+                .and_then(|i| self.overrides.get(i))
+                .map(|(_, p)| p),
+            part => self
+                .values
+                .binary_search_by(|(p, _)| p.as_str().cmp(part))
+                .ok()
+                .and_then(|i| self.values.get(i))
+                .map(|(_, p)| p),
+        }
+    }
+
+    /// Each entry as written (`values.pro`, `default`, `overrides.acme`) with its policy.
+    pub fn entries(&self) -> impl Iterator<Item = (String, &Policy)> {
+        let values = self.values.iter().map(|(part, p)| {
+            let value = part.strip_prefix(key::VALUE_ENTRY_PREFIX).unwrap_or(part);
+            (format!("values.{value}"), p)
+        });
+        let default = self.default.iter().map(|p| ("default".to_string(), p));
+        let overrides = self
+            .overrides
+            .iter()
+            .map(|(k, p)| (format!("overrides.{k}"), p));
+        values.chain(default).chain(overrides)
+    }
 }
 
 /// A request matched by a policy.
@@ -731,6 +836,36 @@ pub struct RouteMatch<'a> {
 }
 
 impl Policy {
+    /// The policy as it decides a bucket of `key` (wire form, entry part last): itself without
+    /// `limits`, else the entry the key names; `None` when the key names no entry of this
+    /// document, or names one while the policy has no `limits` (the limiter refuses both).
+    pub fn entry_for(&self, key: &str) -> Option<&Policy> {
+        match &self.limits_by {
+            None => key::split_entry(key).1.is_none().then_some(self),
+            Some(by) => by.entry(key),
+        }
+    }
+
+    /// [`Policy::entry_for`] on the filter, whose keys this document built: the entry, or the
+    /// policy's own numbers should a key name none (a key outliving a reload).
+    pub fn rated(&self, key: &str) -> &Policy {
+        match &self.limits_by {
+            None => self,
+            Some(by) => by.entry(key).unwrap_or(self),
+        }
+    }
+
+    /// [`Policy::rated`] of a local bucket id (`<policy>:<key>`).
+    pub fn rated_bucket(&self, bucket_id: &str) -> &Policy {
+        match &self.limits_by {
+            None => self,
+            Some(_) => bucket_id
+                .strip_prefix(self.name.as_str())
+                .and_then(|rest| rest.strip_prefix(':'))
+                .map_or(self, |key| self.rated(key)),
+        }
+    }
+
     /// Whether the policy applies to a request, and at what cost. `host` is already lower-case
     /// without port ([`authority_host`]).
     pub fn match_request(&self, host: &str, method: &str, path: &str) -> Option<RouteMatch<'_>> {
@@ -885,6 +1020,16 @@ fn compile(document: PolicyDocument, version: String) -> Result<Policies, Policy
             policy.headers_on_allow = spec
                 .ratelimit_headers_on_allow
                 .unwrap_or(document.response.ratelimit_headers_on_allow);
+            // Each `limits` entry is the policy at another rate: the same answer.
+            if let Some(by) = policy.limits_by.as_mut() {
+                let on = policy.headers_on_allow;
+                by.values
+                    .iter_mut()
+                    .chain(by.overrides.iter_mut())
+                    .map(|(_, p)| p)
+                    .chain(by.default.iter_mut())
+                    .for_each(|p| p.headers_on_allow = on);
+            }
             policies.push(policy);
         }
     }
@@ -1073,53 +1218,76 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         }
     }
 
-    if spec.rate.units == 0 || spec.rate.units > MAX_UNITS {
-        errors.push(
-            name,
-            at("rate.units"),
-            format!("must be between 1 and {MAX_UNITS}"),
-        );
-    }
-    let per_ms = spec.rate.per.nominal_ms();
-    if per_ms == 0 {
-        errors.push(name, at("rate.per"), "must be longer than 0ms");
-    }
-    if let (Some(calendar), false) = (
-        spec.rate.per.calendar(),
-        spec.algorithm == AlgorithmName::FixedWindow,
-    ) {
-        errors.push(
-            name,
-            at("rate.per"),
-            format!(
-                "a calendar period (`{calendar}`) counts fixed windows: set `algorithm: \
-                 fixed_window`, or state a duration (e.g. `30d`)"
-            ),
-        );
-    }
-    let windowed = spec.algorithm != AlgorithmName::TokenBucket;
-    if windowed {
-        if spec.burst != 0 {
+    // The rate: `rate` and `burst`, or those of the `limits` entry that stands for the policy.
+    let written = match (&spec.rate, &spec.limits) {
+        (Some(rate), None) => Some((rate, spec.burst, String::new())),
+        (None, Some(limits)) => {
+            if spec.burst != 0 {
+                errors.push(
+                    name,
+                    at("burst"),
+                    "with `limits`, each entry carries its own `burst`",
+                );
+            }
+            let first = limits
+                .default
+                .as_ref()
+                .map(|d| (d, "limits.default.".to_string()))
+                .or_else(|| {
+                    limits
+                        .values
+                        .iter()
+                        .next()
+                        .map(|(v, d)| (d, format!("limits.values.{v}.")))
+                })
+                .or_else(|| {
+                    limits
+                        .overrides
+                        .iter()
+                        .next()
+                        .map(|(k, d)| (d, format!("limits.overrides.{k}.")))
+                });
+            match first {
+                Some((entry, prefix)) => Some((&entry.rate, entry.burst, prefix)),
+                None => {
+                    errors.push(
+                        name,
+                        at("limits"),
+                        "needs at least one entry (`values`, `default` or `overrides`)",
+                    );
+                    None
+                }
+            }
+        }
+        (Some(_), Some(_)) => {
             errors.push(
                 name,
-                at("burst"),
-                "a windowed algorithm admits `rate.units` per `rate.per`: leave `burst` out",
+                at("rate"),
+                "`rate` and `limits` exclude each other: with `limits`, each entry has its rate",
             );
+            None
         }
-    } else if spec.burst == 0 || spec.burst > MAX_BURST {
-        errors.push(
-            name,
-            at("burst"),
-            format!("must be between 1 and {MAX_BURST}"),
-        );
-    }
-    // A window's limit is its burst: what may pass at once.
-    let burst = if windowed {
-        spec.rate.units.min(MAX_BURST)
-    } else {
-        spec.burst
+        (None, None) => {
+            errors.push(
+                name,
+                at("rate"),
+                "required (or `limits`: a rate per value of an identity fact)",
+            );
+            None
+        }
     };
-    let algorithm = compile_algorithm(spec, &at, name, errors);
+    let rated = written.and_then(|(rate, burst, prefix)| {
+        compile_rate(
+            spec,
+            rate,
+            burst,
+            &|f: &str| at(&format!("{prefix}{f}")),
+            name,
+            errors,
+        )
+    });
+    let burst = rated.map_or(MAX_BURST, |r| r.burst);
+    check_settled_algorithm(spec, &at, name, errors);
     let shape = compile_shape(spec, &at, name, errors);
 
     let (constants, constants_field, default_constant) = match &spec.reserve {
@@ -1184,11 +1352,11 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
     };
 
     let tag = compile_on_over_limit(spec, &at, name, errors);
-    let limits = Limits::new(spec.rate.units, per_ms, burst);
     if errors.errors.len() > before {
         return None;
     }
-    Some(Policy {
+    let rated = rated?;
+    let mut policy = Policy {
         name: spec.name.clone(),
         hosts,
         routes,
@@ -1197,21 +1365,290 @@ fn compile_policy(index: usize, spec: &PolicySpec, errors: &mut Collector) -> Op
         when,
         key,
         on_missing_key: spec.on_missing_key,
-        units: spec.rate.units,
-        per_ms,
-        burst,
-        limits: limits?,
+        units: rated.units,
+        per_ms: rated.per_ms,
+        burst: rated.burst,
+        limits: rated.limits,
         scope: spec.scope,
         failure: failure?,
         enforce: spec.enforce,
         reserve,
         settle,
         in_flight,
-        algorithm: algorithm?,
+        algorithm: rated.algorithm,
         shape,
         tag,
         // Resolved against the document's `response` by `compile`.
         headers_on_allow: false,
+        limits_by: None,
+    };
+    if let Some(limits) = &spec.limits {
+        policy.limits_by = Some(Box::new(compile_limits(
+            spec, limits, &policy, &at, name, errors,
+        )?));
+    }
+    Some(policy)
+}
+
+/// A rate as compiled: the numbers a policy (or one `limits` entry) decides with.
+#[derive(Debug, Clone, Copy)]
+struct Rated {
+    units: u64,
+    per_ms: u64,
+    burst: u64,
+    limits: Limits,
+    algorithm: Algorithm,
+}
+
+/// A rate and burst under the policy's algorithm; `at` names the fields (`rate.units`,
+/// `burst`) where they are written.
+fn compile_rate(
+    spec: &PolicySpec,
+    rate: &RateSpec,
+    written_burst: u64,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<Rated> {
+    let before = errors.errors.len();
+    if rate.units == 0 || rate.units > MAX_UNITS {
+        errors.push(
+            name,
+            at("rate.units"),
+            format!("must be between 1 and {MAX_UNITS}"),
+        );
+    }
+    let per_ms = rate.per.nominal_ms();
+    if per_ms == 0 {
+        errors.push(name, at("rate.per"), "must be longer than 0ms");
+    }
+    if let (Some(calendar), false) = (
+        rate.per.calendar(),
+        spec.algorithm == AlgorithmName::FixedWindow,
+    ) {
+        errors.push(
+            name,
+            at("rate.per"),
+            format!(
+                "a calendar period (`{calendar}`) counts fixed windows: set `algorithm: \
+                 fixed_window`, or state a duration (e.g. `30d`)"
+            ),
+        );
+    }
+    let windowed = spec.algorithm != AlgorithmName::TokenBucket;
+    if windowed {
+        if written_burst != 0 {
+            errors.push(
+                name,
+                at("burst"),
+                "a windowed algorithm admits `rate.units` per `rate.per`: leave `burst` out",
+            );
+        }
+    } else if written_burst == 0 || written_burst > MAX_BURST {
+        errors.push(
+            name,
+            at("burst"),
+            format!("must be between 1 and {MAX_BURST}"),
+        );
+    }
+    // A window's limit is its burst: what may pass at once.
+    let burst = if windowed {
+        rate.units.min(MAX_BURST)
+    } else {
+        written_burst
+    };
+    let algorithm = compile_algorithm(spec, rate, at, name, errors);
+    if errors.errors.len() > before {
+        return None;
+    }
+    Some(Rated {
+        units: rate.units,
+        per_ms,
+        burst,
+        limits: Limits::new(rate.units, per_ms, burst)?,
+        algorithm: algorithm?,
+    })
+}
+
+/// Most entries of one policy's `limits` (values and overrides together).
+pub const MAX_LIMIT_ENTRIES: usize = 1024;
+
+/// The entries of a `limits`, each the compiled `base` policy with the entry's rate.
+fn compile_limits(
+    spec: &PolicySpec,
+    limits: &LimitsSpec,
+    base: &Policy,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<LimitsBy> {
+    let before = errors.errors.len();
+    let by = match &limits.by {
+        KeyPartSpec::Header(h) if is_header_name(h) => Some(KeyPart::Header(h.clone())),
+        KeyPartSpec::Header(h) => {
+            errors.push(
+                name,
+                at("limits.by.header"),
+                format!("`{h}` is not a lower-case header name"),
+            );
+            None
+        }
+        KeyPartSpec::JwtClaim(claim) => match jwt_claim_path(claim) {
+            Ok(path) => Some(KeyPart::JwtClaim { path }),
+            Err((suffix, reason)) => {
+                errors.push(name, format!("{}{suffix}", at("limits.by")), reason);
+                None
+            }
+        },
+        _ => {
+            errors.push(
+                name,
+                at("limits.by"),
+                "a plan is read from a trusted `header` or a verified `jwt_claim`",
+            );
+            None
+        }
+    };
+    if limits.values.len() + limits.overrides.len() > MAX_LIMIT_ENTRIES {
+        errors.push(
+            name,
+            at("limits"),
+            format!("at most {MAX_LIMIT_ENTRIES} entries in `values` and `overrides` together"),
+        );
+        return None;
+    }
+    if base.key.len() >= key::MAX_PARTS {
+        errors.push(
+            name,
+            at("key"),
+            format!(
+                "at most {} parts with `limits` (the entry is a part of the bucket's key)",
+                key::MAX_PARTS - 1
+            ),
+        );
+    }
+    if spec.on_missing_key == OnMissingKey::Anonymous && limits.default.is_none() {
+        errors.push(
+            name,
+            at("limits.default"),
+            "required with `on_missing_key: anonymous` (the shared bucket needs a rate)",
+        );
+    }
+    let entry = |written: &LimitSpec, field: String, errors: &mut Collector| {
+        compile_entry(
+            spec,
+            written,
+            base,
+            &|f: &str| format!("{field}.{f}"),
+            name,
+            errors,
+        )
+    };
+    let mut values = Vec::new();
+    for (value, written) in &limits.values {
+        let field = at(&format!("limits.values.{value}"));
+        let escaped = key::escape_part(value.as_bytes());
+        if value.is_empty()
+            || escaped.starts_with('#')
+            || escaped.len() > key::MAX_ENTRY_VALUE_BYTES
+        {
+            errors.push(
+                name,
+                field,
+                format!(
+                    "a value must be 1 to {} bytes once escaped (as a key part)",
+                    key::MAX_ENTRY_VALUE_BYTES
+                ),
+            );
+            continue;
+        }
+        if let Some(policy) = entry(written, field, errors) {
+            values.push((format!("{}{escaped}", key::VALUE_ENTRY_PREFIX), policy));
+        }
+    }
+    let mut overrides = Vec::new();
+    for (tenant, written) in &limits.overrides {
+        let field = at(&format!("limits.overrides.{tenant}"));
+        let parts = tenant.split(':').count();
+        if key::validate_key(tenant).is_err()
+            || key::split_entry(tenant).1.is_some()
+            || parts != base.key.len()
+        {
+            errors.push(
+                name,
+                field,
+                format!(
+                    "names a key as tollgate builds it: {} escaped part(s) joined by `:` \
+                     (e.g. a tenant id)",
+                    base.key.len()
+                ),
+            );
+            continue;
+        }
+        if let Some(policy) = entry(written, field, errors) {
+            overrides.push((tenant.clone(), policy));
+        }
+    }
+    let default = limits
+        .default
+        .as_ref()
+        .and_then(|d| entry(d, at("limits.default"), errors));
+    if errors.errors.len() > before {
+        return None;
+    }
+    values.sort_by(|a, b| a.0.cmp(&b.0));
+    overrides.sort_by(|a, b| a.0.cmp(&b.0));
+    Some(LimitsBy {
+        by: by?,
+        values,
+        overrides,
+        default,
+    })
+}
+
+/// One `limits` entry: the base policy with the entry's rate, checked against what the base
+/// policy's costs, reservation and settlement need of a burst.
+fn compile_entry(
+    spec: &PolicySpec,
+    written: &LimitSpec,
+    base: &Policy,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) -> Option<Policy> {
+    let rated = compile_rate(spec, &written.rate, written.burst, at, name, errors)?;
+    let most = base.reserve.as_ref().map_or_else(
+        || base.route_costs.iter().copied().max().unwrap_or(1),
+        |r| r.max,
+    );
+    if most > rated.burst {
+        errors.push(
+            name,
+            at("burst"),
+            format!(
+                "{} is less than the policy's largest cost or `reserve.max` ({most}): such a \
+                 request could never pass",
+                rated.burst
+            ),
+        );
+        return None;
+    }
+    let settle = match (&base.settle, &spec.settle) {
+        (Some(settle), Some(written)) => Some(Settle {
+            max_debt: written.max_debt.unwrap_or(rated.burst),
+            ..settle.clone()
+        }),
+        (settle, _) => settle.clone(),
+    };
+    Some(Policy {
+        units: rated.units,
+        per_ms: rated.per_ms,
+        burst: rated.burst,
+        limits: rated.limits,
+        algorithm: rated.algorithm,
+        settle,
+        limits_by: None,
+        ..base.clone()
     })
 }
 
@@ -1268,7 +1705,12 @@ fn check_tag_headers(policies: &[Policy], errors: &mut Collector) {
                 .reserve
                 .as_ref()
                 .is_some_and(|r| matches!(&r.source, UnitsSource::Header(h) if h == tag));
+            let plan_header = other
+                .limits_by
+                .as_ref()
+                .is_some_and(|by| matches!(&by.by, KeyPart::Header(h) if h == tag));
             reserve_header
+                || plan_header
                 || other
                     .key
                     .iter()
@@ -1357,20 +1799,21 @@ const MAX_WAITING: u32 = 10_000;
 
 fn compile_algorithm(
     spec: &PolicySpec,
+    rate: &RateSpec,
     at: &dyn Fn(&str) -> String,
     name: Option<&str>,
     errors: &mut Collector,
 ) -> Option<Algorithm> {
-    let window = match spec.rate.per {
-        RatePeriod::Duration(ms) => Window::new(spec.rate.units, ms.0),
-        RatePeriod::Calendar(c) => Window::calendar(spec.rate.units, c),
+    let window = match rate.per {
+        RatePeriod::Duration(ms) => Window::new(rate.units, ms.0),
+        RatePeriod::Calendar(c) => Window::calendar(rate.units, c),
     };
     let algorithm = match spec.algorithm {
         AlgorithmName::TokenBucket => return Some(Algorithm::TokenBucket),
         AlgorithmName::FixedWindow => Algorithm::FixedWindow(window?),
         AlgorithmName::SlidingWindow => Algorithm::SlidingWindow(window?),
         AlgorithmName::SlidingLog => {
-            if spec.rate.units > MAX_LOG_LIMIT {
+            if rate.units > MAX_LOG_LIMIT {
                 errors.push(
                     name,
                     at("rate.units"),
@@ -1384,6 +1827,22 @@ fn compile_algorithm(
             Algorithm::SlidingLog(window?)
         }
     };
+    Some(algorithm)
+}
+
+/// `reserve` and `settle` need the token bucket (whatever the rate, or rates, of the policy).
+fn check_settled_algorithm(
+    spec: &PolicySpec,
+    at: &dyn Fn(&str) -> String,
+    name: Option<&str>,
+    errors: &mut Collector,
+) {
+    let algorithm = match spec.algorithm {
+        AlgorithmName::TokenBucket => return,
+        AlgorithmName::FixedWindow => "fixed_window",
+        AlgorithmName::SlidingWindow => "sliding_window",
+        AlgorithmName::SlidingLog => "sliding_log",
+    };
     for (field, set) in [
         ("reserve", spec.reserve.is_some()),
         ("settle", spec.settle.is_some()),
@@ -1392,14 +1851,10 @@ fn compile_algorithm(
             errors.push(
                 name,
                 at(field),
-                format!(
-                    "costs settled after the response need the token bucket, not {}",
-                    algorithm.name()
-                ),
+                format!("costs settled after the response need the token bucket, not {algorithm}"),
             );
         }
     }
-    Some(algorithm)
 }
 
 fn compile_shape(
@@ -1605,11 +2060,12 @@ fn compile_in_flight(
         }
         return None;
     };
-    if max == 0 || max > MAX_IN_FLIGHT {
+    // 0: no request may be in flight, so every request the policy applies to is refused.
+    if max > MAX_IN_FLIGHT {
         errors.push(
             name,
             at("max_in_flight"),
-            format!("must be between 1 and {MAX_IN_FLIGHT}"),
+            format!("must be between 0 (refuse every request) and {MAX_IN_FLIGHT}"),
         );
         return None;
     }

@@ -77,7 +77,8 @@ pub struct LeaseRequest {
     /// Unique per logical request; a retry with the same id is applied once.
     pub id: String,
     pub policy: String,
-    /// Escaped key as built by [`crate::key`].
+    /// Escaped key as built by [`crate::key`]; for a policy with `limits`, its last part names
+    /// the entry whose rate the limiter applies, from its own document.
     pub key: String,
     pub min: u64,
     pub want: u64,

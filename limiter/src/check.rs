@@ -1,10 +1,14 @@
 //! `tollgate-limiter check-policies FILE...`: validates policy documents with the one
 //! validation the filter and the limiter share (`tollgate_core::policy`), so teams can gate
-//! policy changes in CI. Every error is reported with its policy, field and reason.
+//! policy changes in CI. Every error is reported with its policy, field and reason. With
+//! `--explain`, a valid document is also asked what it makes of a sample request
+//! ([`crate::explain`]).
 
 use std::path::PathBuf;
 
 use tollgate_core::policy::Policies;
+
+use crate::explain::{explain, SampleRequest};
 
 /// What `check-policies` prints, and whether every document is valid.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,6 +19,12 @@ pub struct Report {
 
 /// Checks each file; one line per valid file, one line per error of an invalid one.
 pub fn check_files(files: &[PathBuf]) -> Report {
+    check_files_explaining(files, None)
+}
+
+/// [`check_files`], and after each valid file what its policies make of `sample`
+/// ([`crate::explain`]).
+pub fn check_files_explaining(files: &[PathBuf], sample: Option<&SampleRequest>) -> Report {
     let mut ok = true;
     let mut text = String::new();
     for file in files {
@@ -36,6 +46,15 @@ pub fn check_files(files: &[PathBuf]) -> Report {
                         policies.policies.len(),
                         policies.version
                     ));
+                    if let Some(sample) = sample {
+                        match explain(&policies, sample) {
+                            Ok(lines) => text.push_str(&lines),
+                            Err(e) => {
+                                ok = false;
+                                text.push_str(&format!("{name}: {e}\n"));
+                            }
+                        }
+                    }
                 }
                 Err(errors) => {
                     ok = false;

@@ -310,6 +310,30 @@ pub enum Command {
         /// Policy documents (JSON).
         #[arg(required = true)]
         files: Vec<PathBuf>,
+        /// Also print, for each valid document, which policies a sample request hits (route,
+        /// key, limits entry, cost, rate) and why the others are skipped, as the filter plans it.
+        #[arg(long)]
+        explain: bool,
+        /// `--explain`: the sample request's method.
+        #[arg(long, default_value = "GET", requires = "explain")]
+        method: String,
+        /// `--explain`: its path (query included).
+        #[arg(long, default_value = "/", requires = "explain")]
+        path: String,
+        /// `--explain`: its `:authority` (default none: only policies without `match.hosts`).
+        #[arg(long, default_value = "", requires = "explain")]
+        host: String,
+        /// `--explain`: a request header `name: value`, repeatable.
+        #[arg(long = "header", value_name = "NAME: VALUE", requires = "explain",
+              value_parser = |s: &str| crate::explain::parse_header(s).map_err(|e| e.to_string()))]
+        headers: Vec<(String, String)>,
+        /// `--explain`: Envoy's client address.
+        #[arg(long, requires = "explain")]
+        client_ip: Option<String>,
+        /// `--explain`: a verified JWT claim `name=value` (`a.b` for a nested one), repeatable.
+        #[arg(long = "claim", value_name = "NAME=VALUE", requires = "explain",
+              value_parser = |s: &str| crate::explain::parse_claim(s).map_err(|e| e.to_string()))]
+        claims: Vec<(String, String)>,
     },
     /// Convert envoyproxy/ratelimit descriptor configurations (YAML) into one policy document,
     /// printed on stdout. The report on stderr gives what each policy reads instead of Envoy's

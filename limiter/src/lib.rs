@@ -20,6 +20,7 @@
 pub mod check;
 mod clock;
 pub mod config;
+pub mod explain;
 mod http;
 pub mod import;
 mod metrics;

@@ -9,8 +9,26 @@ use tollgate_limiter::{check, import, serve};
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    if let Some(Command::CheckPolicies { files }) = &cli.command {
-        let report = check::check_files(files);
+    if let Some(Command::CheckPolicies {
+        files,
+        explain,
+        method,
+        path,
+        host,
+        headers,
+        client_ip,
+        claims,
+    }) = &cli.command
+    {
+        let sample = explain.then(|| tollgate_limiter::explain::SampleRequest {
+            method: method.clone(),
+            path: path.clone(),
+            host: host.clone(),
+            headers: headers.clone(),
+            client_ip: client_ip.clone(),
+            claims: claims.clone(),
+        });
+        let report = check::check_files_explaining(files, sample.as_ref());
         print!("{}", report.text);
         return if report.ok {
             std::process::ExitCode::SUCCESS

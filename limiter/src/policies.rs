@@ -3,7 +3,8 @@
 //! (`crate::rls`) current.
 //!
 //! The limiter resolves rate and burst by policy name from the same JSON document the filter
-//! is configured with. The file is polled (contents compared, so editors that replace the file
+//! is configured with (for a policy with `limits`, from the entry the key's last part names:
+//! `Policy::entry_for`), so a reload that changes an entry's numbers keeps its buckets. The file is polled (contents compared, so editors that replace the file
 //! and Kubernetes' symlink swaps are both seen); a new valid document replaces the old one
 //! atomically for the next request, an invalid one is logged with every reason and ignored,
 //! so the last good document stays in force.

@@ -293,8 +293,12 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn capacity(&self, policy: &str) -> u64 {
-        self.policies.current().get(policy).map_or(1, |p| p.burst)
+    /// The burst of (`policy`, `key`): of the key's `limits` entry when the policy has any.
+    fn capacity(&self, policy: &str, key: &str) -> u64 {
+        self.policies
+            .current()
+            .get(policy)
+            .map_or(1, |p| p.rated(key).burst)
     }
 
     fn in_backoff(state: &State, now_ms: u64) -> bool {
@@ -305,7 +309,7 @@ impl Shared {
     /// Starts a background ask of the parent for `id` if the reservoir wants one and none is
     /// in flight. Returns whether one is in flight now.
     fn start_fetch(self: &Arc<Self>, state: &mut State, id: &KeyId, now_ms: u64) -> bool {
-        let capacity = self.capacity(&id.0);
+        let capacity = self.capacity(&id.0, &id.1);
         let Some(entry) = state.reservoirs.get_mut(id) else {
             return false;
         };
@@ -448,7 +452,7 @@ impl Shared {
                 {
                     return false;
                 }
-                let capacity = policies.get(&id.0).map_or(1, |p| p.burst);
+                let capacity = policies.get(&id.0).map_or(1, |p| p.rated(&id.1).burst);
                 if !backoff
                     && !entry.fetching
                     && entry.reservoir.parent_ask(now, capacity).is_some()

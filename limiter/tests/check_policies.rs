@@ -89,3 +89,59 @@ fn shipped_policies_pass_and_bad_ones_fail_with_fields() {
     let (code, _) = run(&[]);
     assert_ne!(code, 0);
 }
+
+/// `--explain`: the README shows what the binary prints for `policies/plans.json`, and the
+/// sample request's facts decide the entry (an override, a default, no header at all).
+#[test]
+fn explain_prints_the_plan_of_a_sample_request() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let explain = |headers: &[&str]| {
+        let mut args = vec![
+            "policies/plans.json",
+            "--explain",
+            "--method",
+            "GET",
+            "--path",
+            "/items/1",
+        ];
+        for h in headers {
+            args.extend(["--header", h]);
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_tollgate-limiter"))
+            .arg("check-policies")
+            .args(&args)
+            .current_dir(root)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let pro = explain(&["x-tenant-id: t1", "x-plan: pro"]);
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    assert!(
+        readme.contains(&format!("--header 'x-plan: pro'\n{pro}```")),
+        "the README's --explain output differs from:\n{pro}"
+    );
+    let acme = explain(&["x-tenant-id: acme", "x-plan: free"]);
+    assert!(
+        acme.contains("key `acme:!o`, limits entry `overrides.acme`, cost 1, rate 5000"),
+        "{acme}"
+    );
+    let unknown = explain(&["x-tenant-id: t2", "x-plan: gold"]);
+    assert!(
+        unknown.contains("key `t2:!d`, limits entry `default`, cost 1, rate 2 per 60000ms"),
+        "{unknown}"
+    );
+    let anonymous = explain(&[]);
+    assert!(
+        anonymous.contains("policy `items-by-plan`: skipped: an identity part of its `key`"),
+        "{anonymous}"
+    );
+    // --explain's options need --explain.
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate-limiter"))
+        .args(["check-policies", "policies/plans.json", "--path", "/x"])
+        .current_dir(root)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}

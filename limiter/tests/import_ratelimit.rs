@@ -99,7 +99,11 @@ fn documented_examples_convert_exactly_and_list_the_rest() {
         document["limiter"],
         json!({ "cluster": "tollgate_limiter" })
     );
-    assert_eq!(document["policies"].as_array().unwrap().len(), 14);
+    assert_eq!(document["policies"].as_array().unwrap().len(), 15);
+    // `requests_per_unit: 0`: a refusing rule, no request may be in flight.
+    let refusing = policy(&document, "edge_proxy_per_ip-remote_address_50_0_0_5");
+    assert_eq!(refusing["max_in_flight"], json!(0));
+    assert_eq!(refusing["scope"], json!("local"));
     assert_eq!(
         policy(&document, "messaging-to_number"),
         &global_fixed_window(
@@ -198,13 +202,13 @@ fn documented_examples_convert_exactly_and_list_the_rest() {
     let dir = scratch("examples");
     let checked = check_policies(&run.stdout, &dir);
     assert!(
-        checked.contains(": ok: 14 policies (14 global)"),
+        checked.contains(": ok: 15 policies (14 global)"),
         "{checked}"
     );
 
     let report = &run.stderr;
     assert!(
-        report.starts_with("# import-ratelimit: 14 policies from 9 files (domains: mongo_cps, messaging, edge_proxy_per_ip, example4, internal, example6, example7, example8, example9); 2 limits not converted\n"),
+        report.starts_with("# import-ratelimit: 15 policies from 9 files (domains: mongo_cps, messaging, edge_proxy_per_ip, example4, internal, example6, example7, example8, example9); 1 limit not converted\n"),
         "{report}"
     );
     for line in [
@@ -214,14 +218,14 @@ fn documented_examples_convert_exactly_and_list_the_rest() {
         "- example8-key1: also counts requests whose `key1` is `value1`, which ratelimit gives to the more specific `example8.key1_value1` instead",
         "  `message_type` = `marketing` <- when header `message_type` equals `marketing` (Envoy: `request_headers` action, header_name `message_type`, descriptor_key `message_type`); assumed from the key's name (another header: --header message_type=HEADER)",
         "  `key1` = `value*` <- when header `key1` prefix `value` (Envoy: `request_headers` action, header_name `key1`, descriptor_key `key1`); assumed from the key's name (another header: --header key1=HEADER)",
-        "- edge_proxy_per_ip.remote_address_50.0.0.5 (0 per second, example3-edge_proxy_per_ip.yaml): `requests_per_unit: 0` refuses every matching request: a tollgate rate is at least 1 unit (refuse these requests in Envoy, e.g. with an RBAC filter)",
+        "- edge_proxy_per_ip-remote_address_50_0_0_5: `requests_per_unit: 0` refuses every matching request: converted to `max_in_flight: 0` (no request may be in flight, so each is answered 429 `too many requests in flight`, `Retry-After: 1`), scope local (no limiter needed)",
         "- internal.ldap (unlimited, example5-internal.yaml): `unlimited: true`: no policy is needed (tollgate admits what no policy limits)",
     ] {
         assert!(report.lines().any(|l| l == line), "missing {line:?} in\n{report}");
     }
-    // Every value-specific limit of the examples converts: only those two are listed.
+    // Every limit of the examples converts: only the unlimited one (no policy needed) is listed.
     let not_converted = report.split("## Not converted\n").nth(1).unwrap();
-    assert_eq!(not_converted.lines().count(), 2, "{not_converted}");
+    assert_eq!(not_converted.lines().count(), 1, "{not_converted}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

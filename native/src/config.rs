@@ -121,6 +121,18 @@ fn native_limits(policies: &Policies) -> Result<(), String> {
                 policy.name
             ));
         }
+        if policy
+            .limits_by
+            .as_ref()
+            .is_some_and(|by| matches!(by.by, KeyPart::JwtClaim { .. }))
+        {
+            return Err(format!(
+                "policy `{}`: policies[{index}].limits.by.jwt_claim is not supported by the \
+                 native build (the dynamic-module ABI of Envoy 1.40 reads no nested metadata); \
+                 use the wasm filter, or jwt_authn's claim_to_headers with a `header`",
+                policy.name
+            ));
+        }
         if let Some(condition) = policy
             .when
             .iter()

@@ -31,7 +31,13 @@ impl Engine {
         let (items, ids): (&[(&Matched, &Policy)], &[&str]) = match plan.enforced.as_slice() {
             [] => return,
             [m] => {
-                let Some(policy) = self.policies.policies.get(m.index) else {
+                // `rated`: a `limits` policy decides at its key's entry's rate.
+                let Some(policy) = self
+                    .policies
+                    .policies
+                    .get(m.index)
+                    .map(|p| p.rated(m.key()))
+                else {
                     return;
                 };
                 if self.is_lone_local(policy) {
@@ -236,7 +242,12 @@ impl Engine {
     fn items<'a>(&'a self, matched: &'a [Matched]) -> Option<Vec<(&'a Matched, &'a Policy)>> {
         matched
             .iter()
-            .map(|m| self.policies.policies.get(m.index).map(|p| (m, p)))
+            .map(|m| {
+                self.policies
+                    .policies
+                    .get(m.index)
+                    .map(|p| (m, p.rated(m.key())))
+            })
             .collect()
     }
 
@@ -418,7 +429,12 @@ impl Engine {
         now_ms: u64,
         decision: &mut Decision,
     ) {
-        let Some(policy) = self.policies.policies.get(matched.index) else {
+        let Some(policy) = self
+            .policies
+            .policies
+            .get(matched.index)
+            .map(|p| p.rated(matched.key()))
+        else {
             return;
         };
         let scratch = RefCell::new(Scratch::default());

@@ -6,7 +6,7 @@
 //! policy, so no client can reserve more than `reserve.max` or less than `reserve.min`.
 
 use super::{Engine, Matched, Outcome, Plan};
-use crate::request::{conditions_hold, write_key, RequestFacts, RequestSource};
+use crate::request::{choose_entry, conditions_hold, write_key, RequestFacts, RequestSource};
 use tollgate_core::policy::{OnMissingKey, Policy, UnitsSource};
 use tollgate_core::response;
 use tollgate_core::usage::{units_from_json, units_from_text};
@@ -31,7 +31,14 @@ impl Engine {
             }
             let anonymous = policy.on_missing_key == OnMissingKey::Anonymous;
             let Some(mut matched) = Matched::new(index, &policy.name, |key| {
+                let from = key.len();
                 write_key(key, policy, route.route, facts, source, anonymous)
+                    // `limits`: the entry that rates the request is the key's last part (none
+                    // applies: the request is one without its identity).
+                    && match policy.limits_by.as_deref() {
+                        Some(by) => choose_entry(by, key, from, source),
+                        None => true,
+                    }
             }) else {
                 if policy.on_missing_key == OnMissingKey::Deny {
                     if policy.enforce {

@@ -54,7 +54,12 @@ impl Engine {
         release: bool,
         now_ms: u64,
     ) -> Result<Settlement, TableError> {
-        let Some(policy) = self.policies.policies.get(admission.policy) else {
+        let Some(policy) = self
+            .policies
+            .policies
+            .get(admission.policy)
+            .map(|p| p.rated_bucket(&admission.bucket_id))
+        else {
             return Ok(Settlement::default());
         };
         let settle = policy.settle.as_ref();

@@ -211,6 +211,22 @@ const IN_FLIGHT: &str = r#"{"name":"llm","match":{"routes":["POST /v1/chat"]},
   "max_in_flight":2,"in_flight_timeout":"10s"}"#;
 
 #[test]
+fn max_in_flight_zero_refuses_every_request() {
+    let (e, store) = engine(
+        &IN_FLIGHT.replace("\"max_in_flight\":2", "\"max_in_flight\":0"),
+        false,
+    );
+    for now in [1_000, 60_000, 3_600_000] {
+        let refused = admit(&e, &store, &req(&[("x-tenant", "acme")]), now);
+        assert!(matches!(refused.verdict, Verdict::Reply(ref r) if r.status == 429));
+        assert_eq!(
+            refused.outcomes.to_vec(),
+            vec![(0, Outcome::InFlightDenied)]
+        );
+    }
+}
+
+#[test]
 fn in_flight_slots_refuse_release_and_expire() {
     let (e, store) = engine(IN_FLIGHT, false);
     let acme = req(&[("x-tenant", "acme")]);

@@ -365,3 +365,71 @@ fn a_policy_whose_conditions_hold_is_planned_with_its_key_and_cost() {
     assert_eq!(plan.early_outcomes, vec![(1, Outcome::IdentityMissing)]);
     assert_eq!(plan.refused.map(|r| r.status), Some(403));
 }
+
+/// One policy with `limits`: plans by `x-plan`, acme's override at `acme_burst`; 1 per hour.
+fn plans_doc(acme_burst: u64) -> String {
+    let entry =
+        |burst: u64| format!(r#"{{"rate":{{"units":{burst},"per":"1h"}},"burst":{burst}}}"#);
+    format!(
+        r#"{{"policies":[{{"name":"plans","key":[{{"header":"x-tenant-id"}}],"limits":{{
+          "by":{{"header":"x-plan"}},"values":{{"free":{},"pro":{}}},"default":{},
+          "overrides":{{"acme":{}}}}},"ratelimit_headers_on_allow":true}}]}}"#,
+        entry(2),
+        entry(5),
+        entry(1),
+        entry(acme_burst)
+    )
+}
+
+fn admitted(e: &Engine, req: &Req, store: &MemorySharedData, n: usize) -> usize {
+    let items = facts("GET", "/items/1");
+    (0..n)
+        .filter(|_| eval(e, &items, req, store, 1_000).reply.is_none())
+        .count()
+}
+
+#[test]
+fn limits_rate_each_entry_in_a_bucket_of_its_own() {
+    let store = MemorySharedData::default();
+    let e = engine(&plans_doc(4), &store, 64);
+    let plan = e.plan(&facts("GET", "/items/1"), &on_plan("t1", Some("pro")));
+    assert_eq!(plan.enforced[0].bucket_id, "plans:t1:!vpro");
+    assert_eq!(admitted(&e, &on_plan("t1", Some("free")), &store, 5), 2);
+    // The same tenant on another plan: another bucket.
+    assert_eq!(admitted(&e, &on_plan("t1", Some("pro")), &store, 8), 5);
+    assert_eq!(admitted(&e, &tenant("t2"), &store, 3), 1);
+    assert_eq!(admitted(&e, &on_plan("acme", Some("free")), &store, 8), 4);
+    // The RateLimit fields state the entry's own quota.
+    let ev = eval(
+        &e,
+        &facts("GET", "/items/1"),
+        &on_plan("t3", Some("pro")),
+        &store,
+        1_000,
+    );
+    assert!(
+        header_of(&ev.response_headers, "ratelimit-policy").contains("q=5;w=3600"),
+        "{:?}",
+        ev.response_headers
+    );
+}
+
+#[test]
+fn a_reloaded_override_keeps_the_local_bucket_and_its_tokens() {
+    let store = MemorySharedData::default();
+    // acme spends 3 of 10.
+    let e = engine(&plans_doc(10), &store, 64);
+    assert_eq!(admitted(&e, &on_plan("acme", Some("free")), &store, 3), 3);
+    // The filter reloads with the override lowered to 2: same table, same bucket, clamped.
+    let lowered = engine(&plans_doc(2), &store, 64);
+    assert_eq!(
+        admitted(&lowered, &on_plan("acme", Some("free")), &store, 5),
+        2
+    );
+    // Raised to 10: the empty bucket stays empty (refills at the rate, 1 per hour).
+    let raised = engine(&plans_doc(10), &store, 64);
+    assert_eq!(
+        admitted(&raised, &on_plan("acme", Some("free")), &store, 5),
+        0
+    );
+}

@@ -320,7 +320,7 @@ fn reserve_settle_and_in_flight_errors_name_the_field() {
             "between",
         ),
         (
-            r#","max_in_flight":0"#,
+            r#","max_in_flight":1000001"#,
             "policies[0].max_in_flight",
             "between",
         ),
@@ -534,4 +534,200 @@ fn ratelimit_headers_on_allow_per_policy_overrides_the_document() {
     };
     assert_eq!(on(false), vec![false, true, false]);
     assert_eq!(on(true), vec![true, true, false]);
+}
+
+fn by_value(limits: &str, extra: &str) -> String {
+    format!(
+        r#"{{"policies":[{{"name":"plans","key":[{{"header":"x-tenant-id"}}],"limits":{limits}{extra}}}]}}"#
+    )
+}
+
+const PLANS: &str = r#"{"by":{"header":"x-plan"},
+    "values":{"free":{"rate":{"units":2,"per":"1m"},"burst":2},"pro":{"rate":{"units":5,"per":"1m"},"burst":5},"Gold Plan":{"rate":{"units":9,"per":"1m"},"burst":9}},
+    "default":{"rate":{"units":1,"per":"1m"},"burst":1},
+    "overrides":{"acme":{"rate":{"units":7,"per":"1m"},"burst":7}}}"#;
+
+#[test]
+fn limits_by_value_compile_one_policy_per_entry() {
+    let policies = Policies::from_json(by_value(PLANS, "").as_bytes()).unwrap();
+    let p = policies.get("plans").unwrap();
+    // The policy's own numbers are the default entry's.
+    assert_eq!((p.units, p.burst), (1, 1));
+    let by = p.limits_by.as_ref().unwrap();
+    assert_eq!(by.by, KeyPart::Header("x-plan".into()));
+    assert!(by.has_value("!vfree") && by.has_value("!vGold%20Plan"));
+    assert!(!by.has_value("!vgold") && by.has_default());
+    assert!(by.has_override("acme") && !by.has_override("acme2"));
+    let burst = |key: &str| p.entry_for(key).map(|e| e.burst);
+    assert_eq!(burst("t:!vfree"), Some(2));
+    assert_eq!(burst("t:!vpro"), Some(5));
+    assert_eq!(burst("t:!vGold%20Plan"), Some(9));
+    assert_eq!(burst("t:!d"), Some(1));
+    assert_eq!(burst("acme:!o"), Some(7));
+    // Names no entry: an unknown value, an override of another key, no entry part.
+    assert_eq!(burst("t:!vgold"), None);
+    assert_eq!(burst("t:!o"), None);
+    assert_eq!(burst("t"), None);
+    // The filter's lenient form falls back to the policy's numbers.
+    assert_eq!(p.rated("t:!vgold").burst, 1);
+    assert_eq!(p.rated_bucket("plans:acme:!o").burst, 7);
+    let names: Vec<String> = by.entries().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        [
+            "values.Gold%20Plan",
+            "values.free",
+            "values.pro",
+            "default",
+            "overrides.acme"
+        ]
+    );
+    // A policy without limits refuses a key with an entry part.
+    let plain = Policies::from_json(policy("").as_bytes()).unwrap();
+    let plain = plain.get("p").unwrap();
+    assert!(plain.entry_for("t").is_some() && plain.entry_for("t:!d").is_none());
+}
+
+#[test]
+fn limits_errors_name_the_field() {
+    let cases: &[(&str, &str, &str)] = &[
+        // A values entry without its rate: serde names the entry.
+        (
+            r#"{"by":{"header":"x-plan"},"values":{"pro":{"burst":5}}}"#,
+            "",
+            "policies[0].limits.values.pro",
+        ),
+        (
+            r#"{"by":{"header":"x-plan"},"values":{"pro":{"rate":{"units":5,"per":"1m"},"burst":5,"algorithm":"x"}}}"#,
+            "",
+            "policies[0].limits.values.pro.algorithm",
+        ),
+        (
+            PLANS,
+            r#","rate":{"units":1,"per":"1s"}"#,
+            "policies[0].rate",
+        ),
+        (PLANS, r#","burst":3"#, "policies[0].burst"),
+        (r#"{"by":{"header":"x-plan"}}"#, "", "policies[0].limits"),
+        (
+            r#"{"by":{"header":"X-Plan"},"default":{"rate":{"units":1,"per":"1s"},"burst":1}}"#,
+            "",
+            "policies[0].limits.by.header",
+        ),
+        (
+            r#"{"by":{"client_ip":{}},"default":{"rate":{"units":1,"per":"1s"},"burst":1}}"#,
+            "",
+            "policies[0].limits.by",
+        ),
+        (
+            r#"{"by":{"header":"x-plan"},"values":{"pro":{"rate":{"units":0,"per":"1s"},"burst":1}}}"#,
+            "",
+            "policies[0].limits.values.pro.rate.units",
+        ),
+        (
+            r#"{"by":{"header":"x-plan"},"default":{"rate":{"units":1,"per":"1s"},"burst":1},"values":{"pro":{"rate":{"units":5,"per":"1s"}}}}"#,
+            "",
+            "policies[0].limits.values.pro.burst",
+        ),
+        // A calendar period without a fixed window: an unknown combination.
+        (
+            r#"{"by":{"header":"x-plan"},"default":{"rate":{"units":1,"per":"1s"},"burst":1},"overrides":{"acme":{"rate":{"units":5,"per":"1mo"},"burst":5}}}"#,
+            "",
+            "policies[0].limits.overrides.acme.rate.per",
+        ),
+        (
+            r#"{"by":{"header":"x-plan"},"default":{"rate":{"units":1,"per":"1s"},"burst":1},"overrides":{"a:b":{"rate":{"units":5,"per":"1s"},"burst":5}}}"#,
+            "",
+            "policies[0].limits.overrides.a:b",
+        ),
+        (
+            &format!(
+                r#"{{"by":{{"header":"x-plan"}},"values":{{"{}":{{"rate":{{"units":5,"per":"1s"}},"burst":5}}}}}}"#,
+                "v".repeat(63)
+            ),
+            "",
+            &format!("policies[0].limits.values.{}", "v".repeat(63)),
+        ),
+        (
+            r#"{"by":{"header":"x-plan"},"values":{"pro":{"rate":{"units":5,"per":"1s"},"burst":5}}}"#,
+            r#","on_missing_key":"anonymous""#,
+            "policies[0].limits.default",
+        ),
+        // Every entry's burst must admit the policy's dearest route.
+        (
+            r#"{"by":{"header":"x-plan"},"default":{"rate":{"units":5,"per":"1s"},"burst":5},"values":{"free":{"rate":{"units":1,"per":"1s"},"burst":1}}}"#,
+            r#","match":{"routes":["/a"]},"cost":{"/a":3}"#,
+            "policies[0].limits.values.free.burst",
+        ),
+    ];
+    for (limits, extra, field) in cases {
+        let errors = errors_of(&by_value(limits, extra));
+        assert!(
+            errors.iter().any(|e| e.field == *field),
+            "{field}: {errors:?}"
+        );
+        assert!(
+            errors.iter().all(|e| e.policy.as_deref() == Some("plans")),
+            "{errors:?}"
+        );
+    }
+    // Too many entries.
+    let values: Vec<String> = (0..=MAX_LIMIT_ENTRIES)
+        .map(|i| format!(r#""v{i}":{{"rate":{{"units":1,"per":"1s"}},"burst":1}}"#))
+        .collect();
+    let errors = errors_of(&by_value(
+        &format!(
+            r#"{{"by":{{"header":"x-plan"}},"values":{{{}}}}}"#,
+            values.join(",")
+        ),
+        "",
+    ));
+    assert_eq!(errors[0].field, "policies[0].limits", "{errors:?}");
+    // Neither rate nor limits.
+    let errors = errors_of(r#"{"policies":[{"name":"p","key":[{"header":"x"}],"burst":5}]}"#);
+    assert_eq!(errors[0].field, "policies[0].rate", "{errors:?}");
+}
+
+#[test]
+fn limits_entries_take_the_policy_algorithm() {
+    let doc = by_value(
+        r#"{"by":{"jwt_claim":{"claim":"plan"}},"values":{"free":{"rate":{"units":3,"per":"1mo"}}},"default":{"rate":{"units":10,"per":"1w"}}}"#,
+        r#","algorithm":"fixed_window""#,
+    );
+    let policies = Policies::from_json(doc.as_bytes()).unwrap();
+    let p = policies.get("plans").unwrap();
+    let free = p.entry_for("t:!vfree").unwrap();
+    assert_eq!((free.units, free.burst), (3, 3));
+    assert!(free
+        .algorithm
+        .window()
+        .is_some_and(|w| w.calendar.is_some()));
+    assert!(matches!(
+        &p.limits_by.as_ref().unwrap().by,
+        KeyPart::JwtClaim { path } if path.last().map(String::as_str) == Some("plan")
+    ));
+}
+
+#[test]
+fn max_in_flight_zero_is_a_refusing_rule() {
+    let policies = Policies::from_json(policy(r#","max_in_flight":0"#).as_bytes()).unwrap();
+    let limit = policies.get("p").unwrap().in_flight.unwrap();
+    assert_eq!(limit.max, 0);
+    // No slot can be taken: every request is refused.
+    let mut slots = crate::in_flight::Slots::default();
+    assert_eq!(slots.take(limit.max, limit.timeout_ms, 1_000), None);
+}
+
+#[test]
+fn a_tag_header_is_never_a_limits_by_header() {
+    let errors = errors_of(&by_value(
+        PLANS,
+        r#","on_over_limit":{"action":"tag","header":"x-plan"}"#,
+    ));
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.field == "policies[0].on_over_limit.header" && e.reason.contains("x-plan")),
+        "{errors:?}"
+    );
 }

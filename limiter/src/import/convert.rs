@@ -183,11 +183,45 @@ pub struct Policy {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub when: Vec<ConditionSpec>,
     pub key: Vec<serde_json::Value>,
-    pub rate: Rate,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate: Option<Rate>,
+    /// Sibling limits told apart only by a header's value, as one policy (`merge_by_value`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limits: Option<Limits>,
     pub algorithm: &'static str,
     pub scope: &'static str,
     pub enforce: bool,
     pub on_unavailable: FailOpen,
+    /// `0`: a refusing rule (`requests_per_unit: 0`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<u32>,
+    /// Where a value-specific limit came from, for merging its siblings.
+    #[serde(skip)]
+    origin: Option<ValueOrigin>,
+}
+
+/// `limits` by the value of one header.
+#[derive(Debug, Clone, Serialize)]
+pub struct Limits {
+    pub by: serde_json::Value,
+    pub values: BTreeMap<String, LimitEntry>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LimitEntry {
+    pub rate: Rate,
+}
+
+/// A policy converted from a path with exactly one fixed header value (an `equals` condition
+/// at `when[condition]`) and an identity key: siblings that differ only in that value and the
+/// rate become one policy with `limits` by the header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ValueOrigin {
+    header: String,
+    value: String,
+    condition: usize,
+    /// The policy's name with the value's level named by its key alone.
+    name: String,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -232,7 +266,9 @@ pub fn convert(files: &[ConfigFile], options: &Options) -> Conversion {
     };
     for file in files {
         let mut path = Vec::new();
+        let from = out.document.policies.len();
         walk(file, &file.descriptors, &mut path, options, &mut out);
+        merge_by_value(&mut out, from);
     }
     out
 }
@@ -302,13 +338,8 @@ fn convert_limit(
         } => (*unit, *requests_per_unit),
     };
     let limit_text = format!("{requests_per_unit} per {}", unit.name());
-    if requests_per_unit == 0 {
-        return skip(
-            out,
-            limit_text,
-            vec!["`requests_per_unit: 0` refuses every matching request: a tollgate rate is at least 1 unit (refuse these requests in Envoy, e.g. with an RBAC filter)".into()],
-        );
-    }
+    // `requests_per_unit: 0` refuses every matching request: a policy with `max_in_flight: 0`.
+    let refuse = requests_per_unit == 0;
 
     let mut reasons = Vec::new();
     let mut parts = Vec::new();
@@ -526,6 +557,15 @@ fn convert_limit(
     let name = policy_name(&file.domain, path, &descriptor, &out.document.policies);
     let enforce = !last.shadow_mode;
     let mut differences = Vec::new();
+    if refuse {
+        differences.push(
+            "`requests_per_unit: 0` refuses every matching request: converted to `max_in_flight: 0` \
+             (no request may be in flight, so each is answered 429 `too many requests in flight`, \
+             `Retry-After: 1`), scope local (no limiter needed)"
+                .to_string(),
+        );
+    }
+    let origin = value_origin(&file.domain, path, &when, &parts, refuse);
     if path
         .iter()
         .any(|(d, _)| d.detailed_metric || d.value_to_metric)
@@ -584,15 +624,162 @@ fn convert_limit(
         matcher,
         when,
         key: parts,
-        rate: Rate {
-            units: u64::from(requests_per_unit),
+        rate: Some(Rate {
+            units: u64::from(requests_per_unit.max(1)),
             per: unit.per(),
-        },
+        }),
+        limits: None,
         algorithm: "fixed_window",
-        scope: "global",
+        scope: if refuse { "local" } else { "global" },
         enforce,
         on_unavailable: FailOpen { mode: "open" },
+        max_in_flight: refuse.then_some(0),
+        origin,
     });
+}
+
+/// The origin of a policy that may merge with its siblings by value: its path has exactly one
+/// fixed value, read from a header and tested with `equals`, and its key reads an identity
+/// (a path of fixed values only keeps one shared bucket per value: `when` fits it better).
+fn value_origin(
+    domain: &str,
+    path: &[Step<'_>],
+    when: &[ConditionSpec],
+    parts: &[serde_json::Value],
+    refuse: bool,
+) -> Option<ValueOrigin> {
+    if refuse || parts.iter().any(|p| p.get("constant").is_some()) {
+        return None;
+    }
+    let mut valued = path.iter().filter(|(d, _)| d.value.is_some());
+    let (descriptor, _) = valued.next()?;
+    if valued.next().is_some() {
+        return None;
+    }
+    let value = descriptor.value.as_ref()?;
+    let (condition, header) = when.iter().enumerate().find_map(|(i, c)| {
+        (c.equals.as_ref() == Some(value))
+            .then_some(())
+            .and(c.header.as_ref())
+            .map(|h| (i, h.clone()))
+    })?;
+    let mut name = sanitize(domain);
+    for (d, _) in path {
+        name.push('-');
+        let level = if d.value.is_some() {
+            d.key.clone()
+        } else {
+            d.composite_key()
+        };
+        name.push_str(&sanitize(&level));
+    }
+    Some(ValueOrigin {
+        header,
+        value: value.clone(),
+        condition,
+        name,
+    })
+}
+
+/// Merges the policies of `out` from index `from` that differ only in one header's value and
+/// their rate into one policy with `limits` by that header (the entry is part of each bucket,
+/// so every value keeps a budget of its own, as ratelimit's descriptors do).
+fn merge_by_value(out: &mut Conversion, from: usize) {
+    let mut index = from;
+    while index < out.document.policies.len() {
+        let Some(origin) = out.document.policies[index].origin.clone() else {
+            index += 1;
+            continue;
+        };
+        let same = |p: &Policy| -> bool {
+            let first = &out.document.policies[index];
+            let Some(o) = &p.origin else {
+                return false;
+            };
+            let rest = |p: &Policy, at: usize| -> Vec<String> {
+                p.when
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != at)
+                    .map(|(_, c)| serde_json::to_string(c).unwrap_or_default())
+                    .collect()
+            };
+            o.name == origin.name
+                && o.header == origin.header
+                && o.condition == origin.condition
+                && p.key == first.key
+                && p.enforce == first.enforce
+                && p.rate.as_ref().map(|r| r.per) == first.rate.as_ref().map(|r| r.per)
+                && serde_json::to_string(&p.matcher).ok()
+                    == serde_json::to_string(&first.matcher).ok()
+                && rest(p, o.condition) == rest(first, origin.condition)
+        };
+        let members: Vec<usize> = (index..out.document.policies.len())
+            .filter(|&i| same(&out.document.policies[i]))
+            .collect();
+        let values: std::collections::BTreeSet<&str> = members
+            .iter()
+            .filter_map(|&i| out.document.policies[i].origin.as_ref())
+            .map(|o| o.value.as_str())
+            .collect();
+        if members.len() < 2 || values.len() != members.len() {
+            index += 1;
+            continue;
+        }
+        let taken = |name: &str| out.document.policies.iter().any(|p| p.name == name);
+        let name = if is_valid_policy_name(&origin.name) && !taken(&origin.name) {
+            origin.name.clone()
+        } else {
+            let suffix = digest_hex(origin.name.as_bytes(), 4);
+            let mut name = origin.name.clone();
+            name.truncate(64 - 1 - suffix.len());
+            format!("{name}-{suffix}")
+        };
+        let mut entries = BTreeMap::new();
+        let mut names = Vec::new();
+        for &i in &members {
+            let p = &out.document.policies[i];
+            if let (Some(o), Some(rate)) = (&p.origin, &p.rate) {
+                entries.insert(o.value.clone(), LimitEntry { rate: rate.clone() });
+                names.push(p.name.clone());
+            }
+        }
+        let mut merged = out.document.policies[index].clone();
+        merged.when.remove(origin.condition);
+        merged.name = name.clone();
+        merged.rate = None;
+        merged.limits = Some(Limits {
+            by: serde_json::json!({ "header": origin.header }),
+            values: entries,
+        });
+        merged.origin = None;
+        for &i in members.iter().rev() {
+            out.document.policies.remove(i);
+        }
+        out.document.policies.insert(index, merged);
+        for converted in out.converted.iter_mut().filter(|c| names.contains(&c.name)) {
+            converted.name = name.clone();
+            for read in &mut converted.reads {
+                if read
+                    .from
+                    .starts_with(&format!("when header `{}` equals", origin.header))
+                {
+                    read.from = format!(
+                        "limits by header `{}`, its entry for this value (Envoy: `request_headers` action, header_name `{}`, descriptor_key `{}`)",
+                        origin.header, origin.header, read.key
+                    );
+                }
+            }
+        }
+        for difference in out
+            .differences
+            .iter_mut()
+            .filter(|d| names.contains(&d.policy))
+        {
+            difference.policy = name.clone();
+        }
+        index += 1;
+    }
 }
 
 /// Whether a header condition can never hold together with the `when` conditions already
@@ -789,27 +976,80 @@ mod tests {
                 .unwrap_or_else(|| panic!("{descriptor} not listed: {reasons:?}"))
         };
         assert!(reason_of("d.ldap").contains("no policy is needed"));
-        assert!(reason_of("d.remote_address_50.0.0.5").contains("`requests_per_unit: 0`"));
         assert!(reason_of("d.generic_key_slow").contains("generic_key action"));
         assert!(reason_of("d.header_match_premium").contains("--when header_match=VALUE=CONDITION"));
         // ratelimit compares an address's text: a network written as a value matches nothing.
         assert!(reason_of("d.remote_address_10.0.0.0/8").contains("not an IP address"));
         assert!(reason_of("d.remote_address_10.0.*").contains("tests a client address with CIDRs"));
         assert!(reason_of("d.m_GE*").contains("prefix match"));
-        assert_eq!(reasons.len(), 7);
-        // The value-less remote_address converts, with the more specific sibling noted.
+        assert_eq!(reasons.len(), 6);
+        // `requests_per_unit: 0` converts to a refusing rule: no request may be in flight.
         let policies = load(&conversion);
+        let refusing = policies.get("d-remote_address_50_0_0_5").unwrap();
+        assert_eq!(refusing.in_flight.map(|l| l.max), Some(0));
+        assert_eq!(refusing.scope, Scope::Local);
+        assert_eq!(refusing.when.len(), 1);
+        // The value-less remote_address converts, with the more specific sibling noted.
         let policy = policies.get("d-remote_address").unwrap();
         assert_eq!(policy.key, [KeyPart::ClientIp { trusted_hops: 0 }]);
         assert_eq!(
             conversion.differences.len(),
-            3,
+            4,
             "{:?}",
             conversion.differences
         );
-        assert!(conversion.differences[0].reason.contains(
+        assert!(conversion.differences[0]
+            .reason
+            .contains("converted to `max_in_flight: 0`"));
+        assert!(conversion.differences[1].reason.contains(
             "is `50.0.0.5`, which ratelimit gives to the more specific `d.remote_address_50.0.0.5`"
         ));
+    }
+
+    #[test]
+    fn siblings_told_apart_by_a_header_value_become_limits_by_value() {
+        let conversion = convert(
+            &files(&["domain: d\ndescriptors:\n  - key: plan\n    value: free\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 10}\n  - key: plan\n    value: pro\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 100}\n  - key: plan\n    value: team\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 5}\n  - key: tier\n    value: gold\n    rate_limit: {unit: minute, requests_per_unit: 7}\n  - key: tier\n    value: silver\n    rate_limit: {unit: minute, requests_per_unit: 3}\n"]),
+            &options(&[]),
+        );
+        let document = serde_json::to_value(&conversion.document).unwrap();
+        let names: Vec<&str> = document["policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|p| p["name"].as_str())
+            .collect();
+        // free and pro (per minute) merge; team counts per hour, so it stays a `when` policy;
+        // fixed values with no identity (one shared bucket each) stay `when` policies.
+        assert_eq!(
+            names,
+            [
+                "d-plan-user",
+                "d-plan_team-user",
+                "d-tier_gold",
+                "d-tier_silver"
+            ]
+        );
+        let merged = &document["policies"][0];
+        assert_eq!(
+            merged["limits"],
+            serde_json::json!({"by": {"header": "plan"}, "values": {
+                "free": {"rate": {"units": 10, "per": "1m"}},
+                "pro": {"rate": {"units": 100, "per": "1m"}}}})
+        );
+        assert!(merged.get("rate").is_none() && merged.get("when").is_none());
+        assert_eq!(merged["key"], serde_json::json!([{ "header": "user" }]));
+        // It validates, and each value has its own bucket: the entry is part of the key.
+        let policies = load(&conversion);
+        let policy = policies.get("d-plan-user").unwrap();
+        assert_eq!(policy.entry_for("u1:!vpro").map(|p| p.units), Some(100));
+        assert_eq!(policy.entry_for("u1:!vfree").map(|p| p.units), Some(10));
+        let converted: Vec<&str> = conversion
+            .converted
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(converted.iter().filter(|n| **n == "d-plan-user").count(), 2);
     }
 
     /// The `when` conditions of the one converted policy, as written.

@@ -103,7 +103,7 @@ pub fn report(files: &[ConfigFile], conversion: &Conversion, options: &Options) 
     let _ = writeln!(
         text,
         "# import-ratelimit: {} from {} (domains: {}); {} not converted",
-        plural(conversion.converted.len(), "policy", "policies"),
+        plural(conversion.document.policies.len(), "policy", "policies"),
         plural(files.len(), "file", "files"),
         domains.join(", "),
         plural(conversion.skipped.len(), "limit", "limits")
@@ -112,7 +112,8 @@ pub fn report(files: &[ConfigFile], conversion: &Conversion, options: &Options) 
         text,
         "# Each policy: algorithm fixed_window, rate = requests_per_unit per 1 unit (ratelimit's fixed windows; no burst), \
          scope global, on_unavailable open (Envoy's ratelimit filter default), enforce false where shadow_mode; \
-         limiter cluster `{}`.",
+         limiter cluster `{}`. A limit of 0 is a refusing rule (max_in_flight 0, scope local); limits of one level told \
+         apart only by a header's value (and their rate) are one policy with `limits` by that header.",
         options.limiter_cluster
     );
     let _ = writeln!(

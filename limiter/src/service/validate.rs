@@ -5,7 +5,8 @@
 //! * A malformed batch (bad JSON, unknown fields, negative or fractional amounts, more than
 //!   `MAX_BATCH` items, more than `MAX_SETTLED_POLICIES` entries in `settled`) is refused
 //!   whole ([`BatchRefused`], answered 400 with the reason).
-//! * Per item: an unknown or non-global policy is `INVALID_POLICY`; a bad key, a bad id,
+//! * Per item: an unknown or non-global policy is `INVALID_POLICY`, and so is a key naming a
+//!   `limits` entry this document does not have (the rate is always this document's); a bad key, a bad id,
 //!   `min == 0`, `min > burst`, a bad `holder` or a bad `demand_per_s` is `INVALID_REQUEST`;
 //!   `want` is clamped to `[min, burst]`.
 //! * A group is decided in one store call, so its keys must share a hash tag; one invalid
@@ -174,6 +175,28 @@ fn global_policy<'a>(policies: &'a Policies, name: &str) -> Result<&'a Policy, I
     Ok(policy)
 }
 
+/// The policy as it rates `key`, from this limiter's own document: with `limits`, the entry
+/// the key's last part names (the filter names an entry, never a rate); an entry this document
+/// does not have, or an entry part on a policy without `limits`, is `INVALID_POLICY`.
+fn entry_of<'a>(policy: &'a Policy, key: &str) -> Result<&'a Policy, ItemError> {
+    policy.entry_for(key).ok_or_else(|| {
+        let entry = key::split_entry(key).1.unwrap_or("(none)");
+        ItemError::policy(if policy.limits_by.is_some() {
+            format!(
+                "policy `{}` has no limits entry `{}` for this key",
+                policy.name,
+                truncate(entry, QUOTE_BYTES)
+            )
+        } else {
+            format!(
+                "policy `{}` has no `limits`: its keys name no entry (`{}`)",
+                policy.name,
+                truncate(entry, QUOTE_BYTES)
+            )
+        })
+    })
+}
+
 /// The first `max` bytes of `s`, cut back to a character boundary.
 pub fn truncate(s: &str, max: usize) -> &str {
     let mut end = s.len().min(max);
@@ -189,6 +212,7 @@ pub fn validate_lease(policies: &Policies, r: &LeaseRequest) -> Result<LeaseItem
     validate_id(&r.id)?;
     let policy = global_policy(policies, &r.policy)?;
     key::validate_key(&r.key).map_err(ItemError::request)?;
+    let policy = entry_of(policy, &r.key)?;
     if let Some(group) = &r.group {
         if group.is_empty() || group.len() > MAX_LEASE_ID_BYTES {
             return Err(ItemError::request(format!(
@@ -255,6 +279,7 @@ pub fn validate_return(policies: &Policies, r: &LeaseReturn) -> Result<ReturnIte
     validate_id(&r.id)?;
     let policy = global_policy(policies, &r.policy)?;
     key::validate_key(&r.key).map_err(ItemError::request)?;
+    let policy = entry_of(policy, &r.key)?;
     Ok(ReturnItem {
         id: r.id.clone(),
         policy: policy.name.clone(),
@@ -356,6 +381,63 @@ mod tests {
 
     fn error(plan: &LeasePlan, i: usize) -> &ItemError {
         plan.items[i].as_ref().unwrap_err()
+    }
+
+    #[test]
+    fn a_limits_entry_is_resolved_from_the_limiters_own_document() {
+        let policies = Policies::from_json(
+            br#"{"policies":[{"name":"plans","key":[{"header":"x-tenant"}],"scope":"global",
+              "limits":{"by":{"header":"x-plan"},
+                "values":{"pro":{"rate":{"units":5,"per":"1m"},"burst":5}},
+                "default":{"rate":{"units":1,"per":"1m"},"burst":1},
+                "overrides":{"acme":{"rate":{"units":7,"per":"1m"},"burst":7}}}},
+              {"name":"g","key":[{"header":"x-tenant"}],"rate":{"units":1,"per":"1h"},
+               "burst":10,"scope":"global"}],
+              "limiter":{"cluster":"tollgate_limiter"}}"#,
+        )
+        .unwrap();
+        let lease = |policy: &str, key: &str, want: u64| {
+            validate_lease(
+                &policies,
+                &LeaseRequest {
+                    id: "i".into(),
+                    policy: policy.into(),
+                    key: key.into(),
+                    min: 1,
+                    want,
+                    group: None,
+                    holder: None,
+                    demand_per_s: None,
+                },
+            )
+        };
+        // The want is clamped to the entry's burst, the limits are the entry's.
+        let pro = lease("plans", "t:!vpro", 100).unwrap();
+        assert_eq!((pro.want, pro.limits.capacity()), (5, 5.0));
+        assert_eq!(pro.key, "t:!vpro");
+        assert_eq!(lease("plans", "t:!d", 100).unwrap().want, 1);
+        assert_eq!(lease("plans", "acme:!o", 100).unwrap().want, 7);
+        // An entry the limiter does not have, an override of another key, no entry at all.
+        for key in ["t:!vgold", "t:!o", "t"] {
+            let e = lease("plans", key, 1).unwrap_err();
+            assert_eq!(e.code, ErrorCode::InvalidPolicy, "{key}: {e:?}");
+        }
+        // A policy without limits takes no entry part.
+        assert_eq!(
+            lease("g", "t:!vpro", 1).unwrap_err().code,
+            ErrorCode::InvalidPolicy
+        );
+        let ret = validate_return(
+            &policies,
+            &LeaseReturn {
+                id: "i".into(),
+                policy: "plans".into(),
+                key: "acme:!o".into(),
+                unused: 1,
+            },
+        )
+        .unwrap();
+        assert_eq!(ret.limits.capacity(), 7.0);
     }
 
     #[test]

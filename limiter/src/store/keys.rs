@@ -30,6 +30,10 @@
 //! `<grid>` is the window's length in ms, or a calendar period (`1w`, `1mo`, `12mo` for a year:
 //! [`window_grid`]), whose window index is a week or month number, not a multiple of a length.
 //!
+//! A policy with `limits` has its entry as the wire key's last part (`acme:!vpro`, `acme:!o`):
+//! the entry's name, never its numbers, so a reload that changes an entry's rate finds the same
+//! state, and the hash tag (the first part) is the tenant's whatever the entry.
+//!
 //! `|` is neither in a policy name nor in an escaped key part (nor in an escaped lease id), so
 //! a window's key can never be another bucket's or another window's. The keys derived from a
 //! window's state key (`:w<index>`, `:seen`) are derived inside the Redis Function from the
