@@ -307,7 +307,10 @@ async fn ten_thousand_tenants_stay_inside_the_slot_table(build: Build) {
     let full = prometheus_value(&envoy, "tollgate_local_table_full");
     let fail_open = prometheus_value(&envoy, "tollgate_fail_open{policy=\"payments-per-tenant\"}");
     assert_eq!(full, fail_open);
-    assert!(full >= (tenants + warmed - slots) as u64, "table_full {full}");
+    assert!(
+        full >= (tenants + warmed - slots) as u64,
+        "table_full {full}"
+    );
     let growth = after.saturating_sub(before);
     // Unbounded keys would hold 10,000 × (key ≈ 60 B + value ≈ 100 B + map node) ≈ 2 MB.
     // The table is at its bound before the measurement, so growth is noise from connections
