@@ -996,6 +996,7 @@ impl Report {
                 .map(|x| format!("{x:.2}"))
                 .collect();
             let us = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1} µs"));
+            let rounds = |n: usize| format!("{n} round{}", if n == 1 { "" } else { "s" });
             let errors = if r.errors == 0 {
                 String::new()
             } else {
@@ -1006,11 +1007,11 @@ impl Report {
                 )
             };
             md.push_str(&format!(
-                "- S5 / S8 = {rps} in req/s (per round: {per_round}; {n5} rounds): tollgate's \
+                "- S5 / S8 = {rps} in req/s (per round: {per_round}; {n5}): tollgate's \
                  filter with leases over Envoy's `ratelimit` filter calling this limiter's \
                  RateLimitService once per request, what moving from the one to the other \
                  gains in throughput. S8's limiter + Redis CPU per decision {b8} against S6's \
-                 {b6} (one lease call per request; {cpu6} × S6, {n6} rounds), Envoy CPU per \
+                 {b6} (one lease call per request; {cpu6} × S6, {n6}), Envoy CPU per \
                  request {cpu5} × S5, p99 {p99} × S6. Envoy's filter was answered {ok} OK and \
                  {over} over the limit, {errs} calls failed; the limiter answered {calls} calls \
                  on {conns} (warm-up included).{errors}\n",
@@ -1020,11 +1021,11 @@ impl Report {
                 } else {
                     per_round.join(", ")
                 },
-                n5 = r.rounds_with_s5,
+                n5 = rounds(r.rounds_with_s5),
                 b8 = us(r.backend_us),
                 b6 = us(r.s6_backend_us),
                 cpu6 = num(r.backend_cpu_to_s6),
-                n6 = r.rounds_with_s6,
+                n6 = rounds(r.rounds_with_s6),
                 cpu5 = num(r.envoy_cpu_to_s5),
                 p99 = num(r.p99_to_s6),
                 ok = r.ok,
