@@ -612,6 +612,13 @@ fn filter_counters(envoy: &Envoy, limiter: Option<&Limiter>) -> Vec<(String, u64
 /// (`cluster.demo_upstream.ratelimit.*`: the route's cluster), the calls that failed and were
 /// let through undecided (`failure_mode_deny: false`), Envoy's connections to the
 /// RateLimitService, and the calls the limiter answered.
+/// Scenario 8's calls that failed so far (let through undecided).
+fn rls_errors(envoy: &Envoy) -> u64 {
+    envoy
+        .counter("cluster.demo_upstream.ratelimit.error")
+        .unwrap_or(0)
+}
+
 fn rls_counters(envoy: &Envoy, limiter: Option<&Limiter>) -> Vec<(String, u64)> {
     let stat = |name: &str| {
         envoy
@@ -1119,6 +1126,11 @@ fn main() {
                 .unwrap_or_else(|e| panic!("S{} warm-up: {e}", env.id));
         }
     }
+    // Scenario 8's failed calls so far (warm-up): the report tells them from the measured ones.
+    let rls_errors_before: Vec<u64> = envs
+        .iter()
+        .map(|env| if env.rls { rls_errors(&env.envoy) } else { 0 })
+        .collect();
 
     let mut scenarios: Vec<Scenario> = envs
         .iter()
@@ -1180,11 +1192,17 @@ fn main() {
             });
         }
     }
-    for (env, sc) in envs.iter().zip(scenarios.iter_mut()) {
+    for ((env, sc), before) in envs
+        .iter()
+        .zip(scenarios.iter_mut())
+        .zip(&rls_errors_before)
+    {
         sc.envoy_peak_rss = peak_rss(env.envoy.pid());
         sc.limiter_peak_rss = env.limiter.as_ref().and_then(|l| peak_rss(l.pid()));
         if env.rls {
             sc.counters = rls_counters(&env.envoy, env.limiter.as_ref());
+            sc.counters
+                .push(("rls_errors_before_rounds".into(), *before));
         } else if env.redis.is_some() || env.settles || env.algorithm.is_some() {
             sc.counters = filter_counters(&env.envoy, env.limiter.as_ref());
         }

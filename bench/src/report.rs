@@ -294,6 +294,8 @@ pub struct RlsComparison {
     pub ok: u64,
     pub over_limit: u64,
     pub errors: u64,
+    /// Of `errors`, those before the measured rounds (in the warm-up).
+    pub errors_before_rounds: u64,
     pub limiter_calls: u64,
     pub connections: u64,
 }
@@ -578,6 +580,7 @@ impl Report {
             ok: s8.counter("allowed"),
             over_limit: s8.counter("denied"),
             errors: s8.counter("rls_errors"),
+            errors_before_rounds: s8.counter("rls_errors_before_rounds"),
             limiter_calls: s8.counter("limiter_rls_calls"),
             connections: s8.counter("limiter_connections"),
         })
@@ -997,14 +1000,20 @@ impl Report {
                 .collect();
             let us = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1} µs"));
             let rounds = |n: usize| format!("{n} round{}", if n == 1 { "" } else { "s" });
-            let errors = if r.errors == 0 {
-                String::new()
-            } else {
+            let measured_errors = r.errors.saturating_sub(r.errors_before_rounds);
+            let errors = if measured_errors > 0 {
                 format!(
-                    " **{} calls failed and were let through undecided (`failure_mode_deny: \
-                     false`): S8's figures include requests no limit decided.**",
+                    " **{measured_errors} calls in the measured rounds failed and were let \
+                     through undecided (`failure_mode_deny: false`): S8's figures include \
+                     requests no limit decided.**"
+                )
+            } else if r.errors > 0 {
+                format!(
+                    " The {} failed calls were all in the warm-up, none in the measured rounds.",
                     r.errors
                 )
+            } else {
+                String::new()
             };
             md.push_str(&format!(
                 "- S5 / S8 = {rps} in req/s (per round: {per_round}; {n5}): tollgate's \
@@ -1391,6 +1400,7 @@ impl Report {
                 "ratelimit_ok": r.ok,
                 "ratelimit_over_limit": r.over_limit,
                 "ratelimit_errors": r.errors,
+                "ratelimit_errors_before_rounds": r.errors_before_rounds,
                 "limiter_rls_calls": r.limiter_calls,
                 "limiter_connections": r.connections,
             })
@@ -2067,6 +2077,7 @@ mod tests {
             }
             s8.counters.push(("rls_errors".into(), 7));
             s8.counters.retain(|(n, v)| n != "rls_errors" || *v == 7);
+            s8.counters.push(("rls_errors_before_rounds".into(), 4));
         }
         let md = report.markdown();
         assert!(
@@ -2076,9 +2087,24 @@ mod tests {
             "{md}"
         );
         assert!(
-            md.contains("**7 calls failed and were let through undecided"),
+            md.contains("7 calls failed; the limiter answered 5000 calls"),
             "{md}"
         );
+        assert!(
+            md.contains("**3 calls in the measured rounds failed and were let through undecided"),
+            "{md}"
+        );
+        // All of them in the warm-up: said, not flagged.
+        if let Some(s8) = report.scenarios.iter_mut().find(|s| s.id == "8") {
+            s8.counters.retain(|(n, _)| n != "rls_errors_before_rounds");
+            s8.counters.push(("rls_errors_before_rounds".into(), 7));
+        }
+        let md = report.markdown();
+        assert!(
+            md.contains("The 7 failed calls were all in the warm-up, none in the measured rounds."),
+            "{md}"
+        );
+        assert!(!md.contains("let through undecided"), "{md}");
 
         // Without S6 the target is not measured; without 5 and 6 there is no comparison.
         report.scenarios.retain(|s| s.id != "6");
