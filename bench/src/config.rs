@@ -10,6 +10,10 @@
 //! ingress route's answers. The mutual-TLS
 //! config's `/etc/tollgate/...` paths and its SDS files are pointed at certificates made for
 //! the run by [`tollgate_e2e::mtls::MtlsSetup`], as in the end-to-end tests.
+//!
+//! Scenario 8 runs the shipped `envoy/ratelimit-service.yaml` instead (Envoy's own
+//! `envoy.filters.http.ratelimit` filter calling the limiter's RateLimitService over h2c, no
+//! Wasm; [`ratelimit_service`]) with a ratelimit configuration of its own ([`rls_limits`]).
 
 /// The tollgate filter's first line in the shipped configs' ingress filter chain.
 const WASM_FILTER: &str = "          - name: envoy.filters.http.wasm\n";
@@ -273,7 +277,7 @@ impl PolicyDoc<'_> {
                 .map(|h| format!(", \"lease_horizon\": \"{h}\""))
                 .unwrap_or_default();
             limiter = format!(
-                ",\n  \"limiter\": {{ \"cluster\": \"tollgate_limiter\", \"timeout\": \"25ms\"{lease_max}{horizon} }}"
+                ",\n  \"limiter\": {{ \"cluster\": \"tollgate_limiter\", \"timeout\": \"{LIMITER_TIMEOUT}\"{lease_max}{horizon} }}"
             );
         }
         format!(
@@ -295,6 +299,109 @@ impl PolicyDoc<'_> {
             failure = self.on_unavailable,
         )
     }
+}
+
+/// The global policies' `limiter.timeout`: the callout deadline of S5 and S6, and the
+/// deadline S8 gives Envoy's ratelimit filter ([`rls_timeout`]).
+pub const LIMITER_TIMEOUT: &str = "25ms";
+
+/// The RateLimitService domain of the shipped `envoy/ratelimit-service.yaml`, which S8's
+/// ratelimit configuration ([`rls_limits`]) limits.
+pub const RLS_DOMAIN: &str = "edge";
+
+/// The shipped ratelimit config's catch-all route (the one `GET /items/<n>` takes): to the
+/// demo upstream, one descriptor per request, the tenant (`x-tenant-id` → `tenant`).
+const RLS_TENANT_ROUTE: &str = r#"              - match: { prefix: "/" }
+                route:
+                  cluster: demo_upstream
+                  rate_limits:
+                  - actions:
+                    - request_headers: { header_name: x-tenant-id, descriptor_key: tenant }
+"#;
+
+/// The shipped ratelimit filter's failure mode and deadline, as S8 changes them.
+const RLS_FAIL_CLOSED: &str = "              failure_mode_deny: true\n";
+const RLS_FAIL_OPEN: &str = "              failure_mode_deny: false\n";
+const RLS_SHIPPED_TIMEOUT: &str = "              timeout: 0.5s\n";
+
+/// S8's answer: Envoy's `fault` filter, after the ratelimit filter, aborts every request with
+/// a 200 before the router forwards it. Envoy's ratelimit filter acts only on routes to a
+/// cluster (it skips `direct_response` routes, whose route has no cluster), so the route keeps
+/// its cluster and this filter answers in its place: the upstream is never called, as with the
+/// other scenarios' `direct_response`.
+const FAULT_ANSWER: &str = r#"          - name: envoy.filters.http.fault
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault
+              abort:
+                http_status: 200
+                percentage: { numerator: 100, denominator: HUNDRED }
+"#;
+
+/// [`LIMITER_TIMEOUT`] as Envoy's `timeout` of the ratelimit filter (`0.025s`).
+pub fn rls_timeout() -> Result<String, String> {
+    let ms = tollgate_core::duration::Millis::parse(LIMITER_TIMEOUT)
+        .map_err(|e| format!("LIMITER_TIMEOUT `{LIMITER_TIMEOUT}`: {e}"))?
+        .0;
+    Ok(format!("{}.{:03}s", ms / 1_000, ms % 1_000))
+}
+
+/// S8's ratelimit configuration (envoyproxy/ratelimit's format): one bucket per tenant, never
+/// denying at benchmark rates (S5's rate, a billion a second: `requests_per_unit` is a uint32).
+pub fn rls_limits() -> String {
+    format!(
+        "# Scenario 8: one bucket per tenant (`request_headers: x-tenant-id` -> `tenant`), never\n\
+         # denying at benchmark rates.\n\
+         domain: {RLS_DOMAIN}\n\
+         descriptors:\n  \
+         - key: tenant\n    \
+         rate_limit: {{ unit: second, requests_per_unit: {units} }}\n",
+        units = HUGE.0
+    )
+}
+
+/// The shipped `envoy/ratelimit-service.yaml` (`shipped`, its text) made ready for S8: listener
+/// and admin on free ports, the demo upstream on `upstream_port`, the RateLimitService cluster
+/// on `rls_port`; the filter failing open (`failure_mode_deny: false`) with S6's callout
+/// deadline ([`rls_timeout`]); every request answered 200 by [`FAULT_ANSWER`] once the filter
+/// has let it through. Each edit must apply exactly once.
+pub fn ratelimit_service(
+    shipped: &str,
+    upstream_port: u16,
+    rls_port: u16,
+) -> Result<String, String> {
+    let mut yaml = shipped.to_string();
+    for (from, to) in [
+        ("port_value: 10000 }", "port_value: 0 }".to_string()),
+        ("port_value: 9901 }", "port_value: 0 }".to_string()),
+        (
+            "port_value: 10001 }",
+            format!("port_value: {upstream_port} }}"),
+        ),
+        ("port_value: 8082 }", format!("port_value: {rls_port} }}")),
+        (RLS_FAIL_CLOSED, RLS_FAIL_OPEN.to_string()),
+        (
+            RLS_SHIPPED_TIMEOUT,
+            format!("              timeout: {}\n", rls_timeout()?),
+        ),
+        (ROUTER, format!("{FAULT_ANSWER}{ROUTER}")),
+    ] {
+        yaml = replace_once(&yaml, from, &to)?;
+    }
+    // What S8 measures: requests to the tenant's route, one descriptor each, in the domain
+    // `rls_limits` configures.
+    for expected in [
+        RLS_TENANT_ROUTE.to_string(),
+        format!("              domain: {RLS_DOMAIN}\n"),
+        "          - name: envoy.filters.http.ratelimit\n".to_string(),
+    ] {
+        if yaml.matches(&expected).count() != 1 {
+            return Err(format!(
+                "expected `{}` once in the ratelimit config",
+                expected.trim()
+            ));
+        }
+    }
+    Ok(yaml)
 }
 
 /// The filter's default `limiter.lease_horizon`, in ms (as `tollgate-core` parses it).
@@ -382,6 +489,80 @@ mod tests {
             assert!(with_response_header(&format!("{direct}{yaml}"), "k", "v").is_err());
         }
         assert!(with_response_header("nothing", "k", "v").is_err());
+    }
+
+    #[test]
+    fn the_ratelimit_service_config_calls_the_limiters_rls_port() {
+        let shipped = shipped("envoy/ratelimit-service.yaml");
+        let yaml = ratelimit_service(&shipped, 41_001, 42_002);
+        let yaml = yaml.unwrap_or_else(|e| format!("error: {e}"));
+        // Envoy's ratelimit filter, no tollgate filter, and its answer before the router.
+        assert_eq!(
+            yaml.matches("- name: envoy.filters.http.ratelimit\n")
+                .count(),
+            1,
+            "{yaml}"
+        );
+        assert!(!yaml.contains("envoy.filters.http.wasm"), "{yaml}");
+        assert!(!yaml.contains("dynamic_modules"), "{yaml}");
+        let at = |what: &str| yaml.find(what).unwrap_or(usize::MAX);
+        assert!(at("envoy.filters.http.ratelimit") < at("envoy.filters.http.fault"));
+        assert!(at("envoy.filters.http.fault") < at(ROUTER));
+        assert!(yaml.contains("http_status: 200"), "{yaml}");
+        // The gRPC service is the `tollgate_rls` cluster, HTTP/2 (h2c), on the limiter's RLS
+        // port; the demo upstream on its port; listener and admin on free ports.
+        assert!(
+            yaml.contains("envoy_grpc: { cluster_name: tollgate_rls }"),
+            "{yaml}"
+        );
+        let (_, rls_cluster) = yaml
+            .split_once("  - name: tollgate_rls\n")
+            .unwrap_or_default();
+        assert!(
+            rls_cluster.contains("http2_protocol_options: {}"),
+            "{rls_cluster}"
+        );
+        assert!(
+            rls_cluster.contains("{ address: 127.0.0.1, port_value: 42002 }"),
+            "{rls_cluster}"
+        );
+        assert!(!rls_cluster.contains("transport_socket"), "{rls_cluster}");
+        assert!(yaml.contains("port_value: 41001 }"), "{yaml}");
+        for gone in ["port_value: 8082", "port_value: 10000", "port_value: 9901"] {
+            assert!(!yaml.contains(gone), "{gone}");
+        }
+        assert_eq!(yaml.matches("port_value: 0 }").count(), 2, "{yaml}");
+        // Fails open, with S6's callout deadline; the tenant is the descriptor.
+        assert!(yaml.contains("failure_mode_deny: false\n"), "{yaml}");
+        assert!(!yaml.contains("failure_mode_deny: true"), "{yaml}");
+        assert!(yaml.contains("              timeout: 0.025s\n"), "{yaml}");
+        assert!(yaml.contains(RLS_TENANT_ROUTE), "{yaml}");
+        assert!(yaml.contains("domain: edge\n"), "{yaml}");
+        // An edit that does not apply is an error, not a config that measures something else.
+        assert!(ratelimit_service("nothing", 1, 2).is_err());
+        let twice = shipped.replace(ROUTER, &format!("{ROUTER}{ROUTER}"));
+        assert!(ratelimit_service(&twice, 1, 2).is_err());
+        let no_tenant = shipped.replace("descriptor_key: tenant", "descriptor_key: user");
+        assert!(ratelimit_service(&no_tenant, 1, 2).is_err());
+    }
+
+    #[test]
+    fn the_ratelimit_limits_never_deny_the_tenants() {
+        assert_eq!(rls_timeout().ok().as_deref(), Some("0.025s"));
+        assert!(PolicyDoc::global(Some(1))
+            .json()
+            .contains(&format!(r#""timeout": "{LIMITER_TIMEOUT}""#)));
+        let limits = rls_limits();
+        assert!(limits.contains("domain: edge\n"), "{limits}");
+        assert!(
+            limits.contains(
+                "\n  - key: tenant\n    rate_limit: { unit: second, requests_per_unit: 1000000000 }\n"
+            ),
+            "{limits}"
+        );
+        // The limiter parses it as ratelimit's format (it refuses the file at start otherwise:
+        // the run would fail there); `requests_per_unit` is a uint32.
+        assert!(u32::try_from(HUGE.0).is_ok());
     }
 
     #[test]

@@ -24,17 +24,23 @@
 //!   3n, 4n, 5n: 3, 4 and 5 with the native build of the filter (the dynamic module
 //!      `libtollgate_native.so`, `envoy.filters.http.dynamic_modules`) instead of the .wasm;
 //!      3n (no policy matches) is the module's own floor, reported as S3n × S1 and S4n × S3n
+//!   8  Envoy's own `envoy.filters.http.ratelimit` filter (no tollgate filter) calling the
+//!      limiter's RateLimitService over gRPC (h2c on loopback), counting in Redis: one call per
+//!      request, the tenant (`x-tenant-id`) as the descriptor, a limit that never denies,
+//!      `failure_mode_deny: false`, S6's callout deadline (`envoy/ratelimit-service.yaml`,
+//!      `config::ratelimit_service`). Measured like 5 and 6 in the same rounds; the report
+//!      gives S5 / S8 in req/s and S8's limiter + Redis CPU per decision against S6's
 //!   7  over limit: two Envoys, one global policy, paced demand per key at 3 × the rate split
 //!      evenly, 10 × split evenly and 10 × split 3:1, by a Rust load generator (`paced.rs`:
 //!      per-answer status and latency, which wrk cannot give)
-//! 1–6, 4s, 5s, 4f, 4w, 4l, 5t and the native ones never deny (4l's report line says so if it did). Every
+//! 1–6, 8, 4s, 5s, 4f, 4w, 4l, 5t and the native ones never deny (4l's report line says so if it did). Every
 //! process is killed when the driver exits (the harness ties children to it), also on Ctrl-C.
 //!
 //! Flags: --rounds N (3) --seconds S (5) --warmup S (2) --connections N (64) --threads N (1)
 //! --concurrency N (Envoy workers, 1) --tenants N (100) --distribution zipf|uniform (zipf)
-//! --only 1,2,5 (scenario ids, e.g. `--only 5,5t`, `--only 4,4s,5,5s` or `--only 4,4f,4w,4l`; 7
-//! for the over-limit run) --s7-seconds S (8, per variant and round: 3 rounds take about 80 s)
-//! --out DIR (bench/results) --no-write (print only).
+//! --only 1,2,5 (scenario ids, e.g. `--only 5,5t`, `--only 4,4s,5,5s`, `--only 4,4f,4w,4l` or
+//! `--only 5,6,8`; 7 for the over-limit run) --s7-seconds S (8, per variant and round: 3 rounds
+//! take about 80 s) --out DIR (bench/results) --no-write (print only).
 //!
 //! Besides latest.{md,json} a run writes `ratios.svg` (when it has ratios to S3) and
 //! `overload.svg` (when it ran scenario 7) into --out. `tollgate-bench chart [--out DIR]
@@ -68,7 +74,7 @@ use tollgate_e2e::redis::commandstats_calls as redis_calls;
 use tollgate_e2e::redis::RedisOptions;
 use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
 use tollgate_e2e::upstream::MockResponse;
-use tollgate_e2e::{paths, Envoy, EnvoyOptions, RedisServer, Upstream};
+use tollgate_e2e::{free_port, paths, Envoy, EnvoyOptions, RedisServer, Upstream};
 
 struct Args {
     rounds: u32,
@@ -154,6 +160,9 @@ struct Env {
     settles: bool,
     /// Its policy names a windowed algorithm (4f, 4w, 4l): the filter's denials are reported.
     algorithm: Option<&'static str>,
+    /// Envoy's ratelimit filter calls the limiter's RateLimitService (8): its counters are
+    /// that filter's and the limiter's RLS ones.
+    rls: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -161,6 +170,8 @@ enum Filter {
     None,
     Native,
     Tollgate,
+    /// Envoy's `envoy.filters.http.ratelimit` calling the limiter's RateLimitService (8).
+    RateLimitService,
 }
 
 struct Spec {
@@ -273,6 +284,17 @@ fn specs() -> Vec<Spec> {
             build: Build::Wasm,
         },
         Spec {
+            id: "8",
+            title: "Envoy `ratelimit` filter → limiter RateLimitService (gRPC, Redis), one call \
+                    per request"
+                .into(),
+            filter: Filter::RateLimitService,
+            policy: None,
+            upstream: false,
+            mtls: false,
+            build: Build::Wasm,
+        },
+        Spec {
             id: "5t",
             title: "5 with the limiter behind mutual TLS (`global-mtls.yaml`)".into(),
             filter: Filter::Tollgate,
@@ -364,6 +386,9 @@ fn start_redis(label: &str) -> RedisServer {
 const GATEWAY_ID: &str = "spiffe://bench/ns/edge/sa/gateway";
 
 fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
+    if let Filter::RateLimitService = spec.filter {
+        return start_rls_env(spec, upstream, concurrency);
+    }
     let global = spec.policy.as_ref().is_some_and(|p| p.scope == "global");
     let policy = spec
         .policy
@@ -404,7 +429,8 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
     yaml = match spec.filter {
         Filter::None => edit(config::without_wasm(&yaml)),
         Filter::Native => edit(config::with_native_local_ratelimit(&yaml)),
-        Filter::Tollgate => spec.build.config(yaml),
+        // (8 has its own config: `start_rls_env`.)
+        Filter::Tollgate | Filter::RateLimitService => spec.build.config(yaml),
     };
     if !spec.upstream {
         yaml = edit(config::direct_response(&yaml));
@@ -435,6 +461,72 @@ fn start_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
         limiter,
         settles: settle_header.is_some(),
         algorithm: spec.policy.as_ref().and_then(|p| p.algorithm),
+        rls: false,
+    }
+}
+
+/// No lease policies: S8's limiter serves the RateLimitService only.
+const NO_POLICIES: &str = r#"{"policies":[]}"#;
+
+/// Scenario 8: Redis, the limiter serving the RateLimitService (`--rls-listen` on a free
+/// loopback port, plaintext: h2c) from [`config::rls_limits`], and Envoy running the shipped
+/// `envoy/ratelimit-service.yaml` made ready by [`config::ratelimit_service`].
+fn start_rls_env(spec: &Spec, upstream: &Upstream, concurrency: u32) -> Env {
+    let fail = |e: String| -> ! { panic!("S{}: {e}", spec.id) };
+    let redis = start_redis(spec.id);
+    let dir = paths::new_log_dir("bench", &format!("s{}-rls", spec.id));
+    let limits = dir.join("limits.yaml");
+    std::fs::write(&limits, config::rls_limits())
+        .unwrap_or_else(|e| fail(format!("write {}: {e}", limits.display())));
+    let limits = limits.display().to_string();
+    // The RateLimitService's port is free when picked, not when the limiter binds it: a
+    // limiter that did not start, or whose log does not say it serves *that* port, is tried
+    // again on another.
+    let mut last = String::new();
+    let mut started = None;
+    for _ in 0..8 {
+        let rls_port = free_port();
+        let listen = format!("127.0.0.1:{rls_port}");
+        let flags = ["--rls-listen", &listen, "--rls-config", &limits];
+        match Limiter::try_start(NO_POLICIES, Store::Redis(redis.url()), &flags) {
+            Ok(limiter)
+                if limiter.logs().lines().any(|l| {
+                    l.contains("RateLimitService (gRPC) listening") && l.contains(&listen)
+                }) =>
+            {
+                started = Some((limiter, rls_port));
+                break;
+            }
+            Ok(limiter) => last = format!("no RateLimitService on {listen}:\n{}", limiter.logs()),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    let (limiter, rls_port) =
+        started.unwrap_or_else(|| fail(format!("the limiter did not start: {last}")));
+    // Its store answers before the first request is timed.
+    limiter.wait_ready();
+    let shipped = paths::workspace_root().join("envoy/ratelimit-service.yaml");
+    let shipped = std::fs::read_to_string(&shipped)
+        .unwrap_or_else(|e| fail(format!("read {}: {e}", shipped.display())));
+    let yaml =
+        config::ratelimit_service(&shipped, upstream.port(), rls_port).unwrap_or_else(|e| fail(e));
+    let envoy = Envoy::start(
+        EnvoyOptions::new(yaml)
+            .concurrency(concurrency)
+            .log_level("warn")
+            .name(format!("bench-s{}", spec.id)),
+    );
+    let port = envoy.listener_port("ingress");
+    Env {
+        id: spec.id,
+        title: spec.title.clone(),
+        envoy,
+        port,
+        redis: Some(redis),
+        limiter: Some(limiter),
+        settles: false,
+        algorithm: None,
+        rls: true,
     }
 }
 
@@ -512,6 +604,50 @@ fn filter_counters(envoy: &Envoy, limiter: Option<&Limiter>) -> Vec<(String, u64
                     "tollgate_limiter_units_settled_total{policy=\"per-tenant\"}",
                 ) as u64
             }),
+        ),
+    ]
+}
+
+/// Scenario 8's counters, whole run (warm-up included): Envoy's ratelimit filter's answers
+/// (`cluster.demo_upstream.ratelimit.*`: the route's cluster), the calls that failed and were
+/// let through undecided (`failure_mode_deny: false`), Envoy's connections to the
+/// RateLimitService, and the calls the limiter answered.
+/// Scenario 8's calls that failed so far (let through undecided).
+fn rls_errors(envoy: &Envoy) -> u64 {
+    envoy
+        .counter("cluster.demo_upstream.ratelimit.error")
+        .unwrap_or(0)
+}
+
+fn rls_counters(envoy: &Envoy, limiter: Option<&Limiter>) -> Vec<(String, u64)> {
+    let stat = |name: &str| {
+        envoy
+            .counter(&format!("cluster.demo_upstream.ratelimit.{name}"))
+            .unwrap_or(0)
+    };
+    let (ok, over_limit, error) = (stat("ok"), stat("over_limit"), stat("error"));
+    let limiter_calls = limiter.map_or(0, |l| {
+        let text = l.metrics();
+        text.lines()
+            .filter(|line| line.starts_with("tollgate_limiter_rls_calls_total{"))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    });
+    vec![
+        ("allowed".into(), ok),
+        ("denied".into(), over_limit),
+        ("rls_errors".into(), error),
+        (
+            "rls_failure_mode_allowed".into(),
+            stat("failure_mode_allowed"),
+        ),
+        ("decided".into(), ok + over_limit),
+        ("limiter_rls_calls".into(), limiter_calls),
+        (
+            "limiter_connections".into(),
+            envoy
+                .counter("cluster.tollgate_rls.upstream_cx_total")
+                .unwrap_or(0),
         ),
     ]
 }
@@ -990,6 +1126,11 @@ fn main() {
                 .unwrap_or_else(|e| panic!("S{} warm-up: {e}", env.id));
         }
     }
+    // Scenario 8's failed calls so far (warm-up): the report tells them from the measured ones.
+    let rls_errors_before: Vec<u64> = envs
+        .iter()
+        .map(|env| if env.rls { rls_errors(&env.envoy) } else { 0 })
+        .collect();
 
     let mut scenarios: Vec<Scenario> = envs
         .iter()
@@ -1051,10 +1192,18 @@ fn main() {
             });
         }
     }
-    for (env, sc) in envs.iter().zip(scenarios.iter_mut()) {
+    for ((env, sc), before) in envs
+        .iter()
+        .zip(scenarios.iter_mut())
+        .zip(&rls_errors_before)
+    {
         sc.envoy_peak_rss = peak_rss(env.envoy.pid());
         sc.limiter_peak_rss = env.limiter.as_ref().and_then(|l| peak_rss(l.pid()));
-        if env.redis.is_some() || env.settles || env.algorithm.is_some() {
+        if env.rls {
+            sc.counters = rls_counters(&env.envoy, env.limiter.as_ref());
+            sc.counters
+                .push(("rls_errors_before_rounds".into(), *before));
+        } else if env.redis.is_some() || env.settles || env.algorithm.is_some() {
             sc.counters = filter_counters(&env.envoy, env.limiter.as_ref());
         }
     }
@@ -1150,5 +1299,38 @@ fn main() {
             unsettled.join(", ")
         );
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scenario_8_is_listed_beside_5_and_6_and_chosen_by_only() {
+        let ids: Vec<&str> = specs().iter().map(|s| s.id).collect();
+        let at = |id: &str| ids.iter().position(|i| *i == id);
+        assert!(at("8").is_some(), "{ids:?}");
+        assert_eq!(at("8"), at("6").map(|i| i + 1), "{ids:?}");
+        let spec = specs().into_iter().find(|s| s.id == "8");
+        assert!(
+            spec.is_some_and(|s| matches!(s.filter, Filter::RateLimitService)
+                && s.policy.is_none()
+                && !s.upstream)
+        );
+        let a = args_from(
+            ["--only", "5,6,8", "--rounds", "1", "--no-write"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        );
+        let only = a.only.unwrap_or_default();
+        let chosen: Vec<&str> = ids
+            .iter()
+            .copied()
+            .filter(|id| only.iter().any(|o| o == id))
+            .collect();
+        assert_eq!(chosen, ["5", "6", "8"]);
+        assert!(!a.write);
     }
 }

@@ -265,6 +265,41 @@ pub struct MtlsComparison {
     pub connections: u64,
 }
 
+/// Scenario 8 (Envoy's own ratelimit filter calling the limiter's RateLimitService, one gRPC
+/// call per request) next to 5 (tollgate's filter with leases) and 6 (batching off: one lease
+/// call per request), each ratio the median of per-round ratios of runs made in the same
+/// rounds; and what Envoy's filter was answered.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RlsComparison {
+    /// Rounds in which 8 and 5 ran (for the S5 / S8 ratios), and 8 and 6.
+    pub rounds_with_s5: usize,
+    pub rounds_with_s6: usize,
+    /// S5's req/s over S8's: what moving from Envoy's ratelimit filter and the
+    /// RateLimitService to tollgate's filter with leases gains in throughput.
+    pub s5_to_s8: Option<f64>,
+    /// The same in each round both ran.
+    pub s5_to_s8_per_round: Vec<f64>,
+    /// S8's Envoy CPU per request over S5's.
+    pub envoy_cpu_to_s5: Option<f64>,
+    /// S8's limiter + Redis CPU per request (per decision: one call each) over S6's (one lease
+    /// call per request); and S8's and S6's own, µs per request over all rounds.
+    pub backend_cpu_to_s6: Option<f64>,
+    pub backend_us: Option<f64>,
+    pub s6_backend_us: Option<f64>,
+    /// S8's p99 over S6's.
+    pub p99_to_s6: Option<f64>,
+    /// Envoy's ratelimit filter over the whole run (warm-up included): answers OK, over the
+    /// limit, calls that failed and were let through undecided (`failure_mode_deny: false`);
+    /// the calls the limiter answered; Envoy's connections to it.
+    pub ok: u64,
+    pub over_limit: u64,
+    pub errors: u64,
+    /// Of `errors`, those before the measured rounds (in the warm-up).
+    pub errors_before_rounds: u64,
+    pub limiter_calls: u64,
+    pub connections: u64,
+}
+
 /// The scenarios that add settlement, each with the one it adds it to.
 pub const SETTLING: [(&str, &str); 2] = [("4s", "4"), ("5s", "5")];
 
@@ -525,6 +560,32 @@ impl Report {
         self.paired(a, b, |m| m.p50_us as f64)
     }
 
+    /// Scenario 8 next to 5 and 6; `None` unless 8 and one of them ran.
+    pub fn rls(&self) -> Option<RlsComparison> {
+        let s8 = self.scenario("8")?;
+        if self.scenario("5").is_none() && self.scenario("6").is_none() {
+            return None;
+        }
+        let rps = |m: &Measured| m.rps();
+        Some(RlsComparison {
+            rounds_with_s5: self.per_round("5", "8", rps).len(),
+            rounds_with_s6: self.per_round("8", "6", rps).len(),
+            s5_to_s8: self.rps_ratio("5", "8"),
+            s5_to_s8_per_round: self.per_round("5", "8", rps),
+            envoy_cpu_to_s5: self.cpu_ratio("8", "5"),
+            backend_cpu_to_s6: self.backend_cpu_ratio("8", "6"),
+            backend_us: s8.cpu_us_per_request().1,
+            s6_backend_us: self.scenario("6").and_then(|s6| s6.cpu_us_per_request().1),
+            p99_to_s6: self.p99_ratio("8", "6"),
+            ok: s8.counter("allowed"),
+            over_limit: s8.counter("denied"),
+            errors: s8.counter("rls_errors"),
+            errors_before_rounds: s8.counter("rls_errors_before_rounds"),
+            limiter_calls: s8.counter("limiter_rls_calls"),
+            connections: s8.counter("limiter_connections"),
+        })
+    }
+
     /// Scenario 5t next to 5 and 4; `None` unless both 5 and 5t ran.
     pub fn mtls(&self) -> Option<MtlsComparison> {
         let (s5, s5t) = (self.scenario("5")?, self.scenario("5t")?);
@@ -669,6 +730,21 @@ impl Report {
                 format!("{l:.1} FCALL ({a:.1} commands in all)")
             }),
             calls.map(|(l, _)| l <= 20.0),
+        ));
+        // Envoy's ratelimit filter calling the RateLimitService once per request costs the
+        // limiter and Redis no more per decision than one lease call per request (S6).
+        let s8 = self.backend_cpu_ratio("8", "6");
+        let us = |id: &str| {
+            self.scenario(id)
+                .and_then(|s| s.cpu_us_per_request().1)
+                .map_or("–".to_string(), |us| format!("{us:.1}"))
+        };
+        out.push((
+            "S8 limiter + Redis CPU per decision ≤ S6's".to_string(),
+            s8.map_or("n/a".into(), |r| {
+                format!("{r:.3} (S8 {} µs, S6 {} µs)", us("8"), us("6"))
+            }),
+            s8.map(|r| r <= 1.0),
         ));
         // Settlement costs at most a tenth of the throughput; a run that settled nothing did
         // not measure it.
@@ -885,7 +961,7 @@ impl Report {
             }
         }
         if let (Some(cpu4), Some(cpu5)) = (self.cpu_ratio("4", "3"), self.cpu_ratio("5", "3")) {
-            let more: String = ["4s", "4f", "4w", "4l", "5s", "5t"]
+            let more: String = ["4s", "4f", "4w", "4l", "5s", "5t", "6", "8"]
                 .iter()
                 .filter_map(|id| self.cpu_ratio(id, "3").map(|r| format!(", S{id} {r:.2}")))
                 .collect();
@@ -913,6 +989,63 @@ impl Report {
                  median of per-round ratios: {}. S3n (no policy matches) is the module's own \
                  floor: what loading it costs before any policy decides.\n",
                 pairs.join(", ")
+            ));
+        }
+        if let Some(r) = self.rls() {
+            let num = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.2}"));
+            let per_round: Vec<String> = r
+                .s5_to_s8_per_round
+                .iter()
+                .map(|x| format!("{x:.2}"))
+                .collect();
+            let us = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1} µs"));
+            let rounds = |n: usize| format!("{n} round{}", if n == 1 { "" } else { "s" });
+            let measured_errors = r.errors.saturating_sub(r.errors_before_rounds);
+            let errors = if measured_errors > 0 {
+                format!(
+                    " **{measured_errors} calls in the measured rounds failed and were let \
+                     through undecided (`failure_mode_deny: false`): S8's figures include \
+                     requests no limit decided.**"
+                )
+            } else if r.errors > 0 {
+                format!(
+                    " The {} failed calls were all in the warm-up, none in the measured rounds.",
+                    r.errors
+                )
+            } else {
+                String::new()
+            };
+            md.push_str(&format!(
+                "- S5 / S8 = {rps} in req/s (per round: {per_round}; {n5}): tollgate's \
+                 filter with leases over Envoy's `ratelimit` filter calling this limiter's \
+                 RateLimitService once per request, what moving from the one to the other \
+                 gains in throughput. S8's limiter + Redis CPU per decision {b8} against S6's \
+                 {b6} (one lease call per request; {cpu6} × S6, {n6}), Envoy CPU per \
+                 request {cpu5} × S5, p99 {p99} × S6. Envoy's filter was answered {ok} OK and \
+                 {over} over the limit, {errs} calls failed; the limiter answered {calls} calls \
+                 on {conns} (warm-up included).{errors}\n",
+                rps = num(r.s5_to_s8),
+                per_round = if per_round.is_empty() {
+                    "–".into()
+                } else {
+                    per_round.join(", ")
+                },
+                n5 = rounds(r.rounds_with_s5),
+                b8 = us(r.backend_us),
+                b6 = us(r.s6_backend_us),
+                cpu6 = num(r.backend_cpu_to_s6),
+                n6 = rounds(r.rounds_with_s6),
+                cpu5 = num(r.envoy_cpu_to_s5),
+                p99 = num(r.p99_to_s6),
+                ok = r.ok,
+                over = r.over_limit,
+                errs = r.errors,
+                calls = r.limiter_calls,
+                conns = if r.connections == 1 {
+                    "1 connection".to_string()
+                } else {
+                    format!("{} connections", r.connections)
+                },
             ));
         }
         if let Some(m) = self.mtls() {
@@ -1138,6 +1271,7 @@ impl Report {
                     "envoy_cpu_ratio_to_s3": if sc.id.ends_with('u') { None } else { self.cpu_ratio(&sc.id, "3") },
                     "ratio_to_s4": if sc.id.ends_with('u') { None } else { self.rps_ratio(&sc.id, "4") },
                     "ratio_to_s5": if sc.id == "5t" || sc.id == "5s" { self.rps_ratio(&sc.id, "5") } else { None },
+                    "ratio_to_s8": if sc.id == "5" { self.rps_ratio("5", "8") } else { None },
                     "redis_fcall_per_1k": sc.redis_per_1k().map(|r| r.0),
                     "redis_all_per_1k": sc.redis_per_1k().map(|r| r.1),
                     "envoy_peak_rss_bytes": sc.envoy_peak_rss,
@@ -1252,6 +1386,25 @@ impl Report {
                 "limiter_connections": m.connections,
             })
         });
+        let rls = self.rls().map(|r| {
+            json!({
+                "rounds_with_s5": r.rounds_with_s5,
+                "rounds_with_s6": r.rounds_with_s6,
+                "s5_rps_ratio_to_s8": r.s5_to_s8,
+                "s5_rps_ratio_to_s8_per_round": r.s5_to_s8_per_round,
+                "envoy_cpu_ratio_to_s5": r.envoy_cpu_to_s5,
+                "limiter_and_redis_cpu_ratio_to_s6": r.backend_cpu_to_s6,
+                "limiter_and_redis_cpu_us_per_decision": r.backend_us,
+                "s6_limiter_and_redis_cpu_us_per_decision": r.s6_backend_us,
+                "p99_ratio_to_s6": r.p99_to_s6,
+                "ratelimit_ok": r.ok,
+                "ratelimit_over_limit": r.over_limit,
+                "ratelimit_errors": r.errors,
+                "ratelimit_errors_before_rounds": r.errors_before_rounds,
+                "limiter_rls_calls": r.limiter_calls,
+                "limiter_connections": r.connections,
+            })
+        });
         let settlement: Vec<Value> = self
             .settlements()
             .iter()
@@ -1328,6 +1481,7 @@ impl Report {
             },
             "scenarios": scenarios,
             "mtls": mtls,
+            "rls": rls,
             "settlement": settlement,
             "algorithms": algorithms,
             "native": native,
@@ -1818,6 +1972,152 @@ mod tests {
         assert_eq!(report.json()["settlement"][0]["settled_any"], false);
         report.scenarios.retain(|s| s.id != "5");
         assert_eq!(report.settlements().len(), 1);
+    }
+
+    #[test]
+    fn the_ratelimit_service_is_compared_with_s5_and_s6_in_the_same_rounds() {
+        // `backend_us` µs of limiter + Redis CPU and `fcalls` Redis calls per request.
+        let at = |round: u32, requests: u64, p99_us: u64, backend_us: f64| Run {
+            backend_cpu_s: Some(requests as f64 * backend_us * 1e-6),
+            redis: Some((requests, requests * 4)),
+            ..run(round, requests, p99_us)
+        };
+        let scenario = |id: &str, runs: Vec<Run>| Scenario {
+            id: id.into(),
+            title: format!("scenario {id}"),
+            runs,
+            ..Scenario::default()
+        };
+        let s8 = Scenario {
+            counters: vec![
+                ("allowed".into(), 5_000),
+                ("denied".into(), 0),
+                ("rls_errors".into(), 0),
+                ("decided".into(), 5_000),
+                ("limiter_rls_calls".into(), 5_000),
+                ("limiter_connections".into(), 1),
+            ],
+            ..scenario("8", vec![at(0, 400, 2_000, 45.0), at(1, 500, 2_000, 45.0)])
+        };
+        let mut report = Report {
+            scenarios: vec![
+                scenario("5", vec![at(0, 1000, 1_000, 1.0), at(1, 1200, 1_000, 1.0)]),
+                scenario("6", vec![at(0, 500, 1_600, 50.0), at(1, 500, 2_000, 50.0)]),
+                s8,
+            ],
+            ..Report::default()
+        };
+        let r = report.rls().unwrap_or_default();
+        assert_eq!((r.rounds_with_s5, r.rounds_with_s6), (2, 2));
+        // S5 / S8 per round: 2.5 and 2.4; the median of two is their mean.
+        assert!((r.s5_to_s8.unwrap_or(0.0) - 2.45).abs() < 1e-9, "{r:?}");
+        assert_eq!(r.s5_to_s8_per_round.len(), 2);
+        assert!(
+            (r.backend_cpu_to_s6.unwrap_or(0.0) - 0.9).abs() < 1e-9,
+            "{r:?}"
+        );
+        assert!((r.backend_us.unwrap_or(0.0) - 45.0).abs() < 1e-9, "{r:?}");
+        assert!(
+            (r.s6_backend_us.unwrap_or(0.0) - 50.0).abs() < 1e-9,
+            "{r:?}"
+        );
+        assert_eq!((r.ok, r.errors, r.limiter_calls), (5_000, 0, 5_000));
+        let md = report.markdown();
+        // A row in the table, beside 5 and 6, with its Redis calls and backend CPU.
+        assert!(
+            md.contains("| 8 | scenario 8 | 450 | – | – | 0.00 | 2.00 | "),
+            "{md}"
+        );
+        assert!(md.contains(" | 45.0 | 1000.0 · 4000.0 | "), "{md}");
+        let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| ")).collect();
+        let row = |id: &str| {
+            rows.iter()
+                .position(|l| l.starts_with(&format!("| {id} |")))
+        };
+        assert!(row("6") < row("8"), "{md}");
+        assert!(
+            md.contains("- S5 / S8 = 2.45 in req/s (per round: 2.50, 2.40; 2 rounds)"),
+            "{md}"
+        );
+        assert!(
+            md.contains("S8's limiter + Redis CPU per decision 45.0 µs against S6's 50.0 µs"),
+            "{md}"
+        );
+        assert!(!md.contains("let through undecided"), "{md}");
+        assert!(
+            md.contains(
+                "| S8 limiter + Redis CPU per decision ≤ S6's | 0.900 (S8 45.0 µs, S6 50.0 µs) | met |"
+            ),
+            "{md}"
+        );
+        let json = report.json();
+        assert_eq!(json["rls"]["rounds_with_s5"], 2);
+        assert_eq!(
+            json["rls"]["s5_rps_ratio_to_s8"],
+            json["scenarios"][0]["ratio_to_s8"]
+        );
+        assert_eq!(json["scenarios"][2]["id"], "8");
+        assert_eq!(json["scenarios"][2]["redis_fcall_per_1k"], 1000.0);
+        let backend = json["scenarios"][2]["limiter_and_redis_cpu_us_per_request"].as_f64();
+        assert!((backend.unwrap_or(0.0) - 45.0).abs() < 1e-9, "{backend:?}");
+        let target = json["targets"]
+            .as_array()
+            .and_then(|t| {
+                t.iter()
+                    .find(|t| t["target"] == "S8 limiter + Redis CPU per decision ≤ S6's")
+            })
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(target["met"], true, "{target}");
+
+        // Costlier than S6 per decision: missed; failed calls are called out.
+        if let Some(s8) = report.scenarios.iter_mut().find(|s| s.id == "8") {
+            for r in &mut s8.runs {
+                r.backend_cpu_s = Some(r.measured.requests as f64 * 60e-6);
+            }
+            s8.counters.push(("rls_errors".into(), 7));
+            s8.counters.retain(|(n, v)| n != "rls_errors" || *v == 7);
+            s8.counters.push(("rls_errors_before_rounds".into(), 4));
+        }
+        let md = report.markdown();
+        assert!(
+            md.contains(
+                "| S8 limiter + Redis CPU per decision ≤ S6's | 1.200 (S8 60.0 µs, S6 50.0 µs) | **missed** |"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("7 calls failed; the limiter answered 5000 calls"),
+            "{md}"
+        );
+        assert!(
+            md.contains("**3 calls in the measured rounds failed and were let through undecided"),
+            "{md}"
+        );
+        // All of them in the warm-up: said, not flagged.
+        if let Some(s8) = report.scenarios.iter_mut().find(|s| s.id == "8") {
+            s8.counters.retain(|(n, _)| n != "rls_errors_before_rounds");
+            s8.counters.push(("rls_errors_before_rounds".into(), 7));
+        }
+        let md = report.markdown();
+        assert!(
+            md.contains("The 7 failed calls were all in the warm-up, none in the measured rounds."),
+            "{md}"
+        );
+        assert!(!md.contains("let through undecided"), "{md}");
+
+        // Without S6 the target is not measured; without 5 and 6 there is no comparison.
+        report.scenarios.retain(|s| s.id != "6");
+        let md = report.markdown();
+        assert!(
+            md.contains("| S8 limiter + Redis CPU per decision ≤ S6's | n/a | not measured |"),
+            "{md}"
+        );
+        assert!(md.contains("- S5 / S8 = "), "{md}");
+        report.scenarios.retain(|s| s.id != "5");
+        assert_eq!(report.rls(), None);
+        assert!(report.json()["rls"].is_null());
+        assert!(!report.markdown().contains("- S5 / S8"));
     }
 
     #[test]
