@@ -152,6 +152,17 @@ pub fn too_many_in_flight(policy: &str) -> LocalReply {
     }
 }
 
+/// The 429 of a policy with `max_in_flight: 0`, which refuses every request it matches (what
+/// envoyproxy/ratelimit's `requests_per_unit: 0` converts to): no `Retry-After`, as no later
+/// attempt passes either.
+pub fn refused_always(policy: &str) -> LocalReply {
+    LocalReply {
+        status: 429,
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: json_body("the policy refuses every request", policy, None),
+    }
+}
+
 /// The 403 of `on_missing_key: deny`: the request lacks the identity the policy keys on.
 pub fn identity_missing(policy: &str) -> LocalReply {
     LocalReply {

@@ -218,7 +218,7 @@ fn documented_examples_convert_exactly_and_list_the_rest() {
         "- example8-key1: also counts requests whose `key1` is `value1`, which ratelimit gives to the more specific `example8.key1_value1` instead",
         "  `message_type` = `marketing` <- when header `message_type` equals `marketing` (Envoy: `request_headers` action, header_name `message_type`, descriptor_key `message_type`); assumed from the key's name (another header: --header message_type=HEADER)",
         "  `key1` = `value*` <- when header `key1` prefix `value` (Envoy: `request_headers` action, header_name `key1`, descriptor_key `key1`); assumed from the key's name (another header: --header key1=HEADER)",
-        "- edge_proxy_per_ip-remote_address_50_0_0_5: `requests_per_unit: 0` refuses every matching request: converted to `max_in_flight: 0` (no request may be in flight, so each is answered 429 `too many requests in flight`, `Retry-After: 1`), scope local (no limiter needed)",
+        "- edge_proxy_per_ip-remote_address_50_0_0_5: `requests_per_unit: 0` refuses every matching request: converted to `max_in_flight: 0` (no request may be in flight: each is answered 429 `the policy refuses every request`, without `Retry-After`), scope local (no limiter needed)",
         "- internal.ldap (unlimited, example5-internal.yaml): `unlimited: true`: no policy is needed (tollgate admits what no policy limits)",
     ] {
         assert!(report.lines().any(|l| l == line), "missing {line:?} in\n{report}");

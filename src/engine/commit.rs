@@ -309,11 +309,12 @@ impl Engine {
                     .filter(|&pair| busy(pair))
                     .map(|((m, _), _)| (m.index, Outcome::InFlightDenied))
                     .collect();
-                return (
-                    Verdict::Reply(response::too_many_in_flight(&policy.name)),
-                    outcomes,
-                    Vec::new(),
-                );
+                let reply = if policy.in_flight.is_some_and(|limit| limit.max == 0) {
+                    response::refused_always(&policy.name)
+                } else {
+                    response::too_many_in_flight(&policy.name)
+                };
+                return (Verdict::Reply(reply), outcomes, Vec::new());
             }
             if let Some(((_, policy), _)) = items
                 .iter()

@@ -218,7 +218,17 @@ fn max_in_flight_zero_refuses_every_request() {
     );
     for now in [1_000, 60_000, 3_600_000] {
         let refused = admit(&e, &store, &req(&[("x-tenant", "acme")]), now);
-        assert!(matches!(refused.verdict, Verdict::Reply(ref r) if r.status == 429));
+        let Verdict::Reply(reply) = &refused.verdict else {
+            panic!("admitted at {now}");
+        };
+        assert_eq!(reply.status, 429);
+        // No later attempt passes: no Retry-After, and the reason says so.
+        assert!(reply.headers.iter().all(|(name, _)| name != "retry-after"));
+        assert!(
+            reply.body.contains("the policy refuses every request"),
+            "{}",
+            reply.body
+        );
         assert_eq!(
             refused.outcomes.to_vec(),
             vec![(0, Outcome::InFlightDenied)]

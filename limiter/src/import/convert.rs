@@ -560,8 +560,8 @@ fn convert_limit(
     if refuse {
         differences.push(
             "`requests_per_unit: 0` refuses every matching request: converted to `max_in_flight: 0` \
-             (no request may be in flight, so each is answered 429 `too many requests in flight`, \
-             `Retry-After: 1`), scope local (no limiter needed)"
+             (no request may be in flight: each is answered 429 `the policy refuses every request`, \
+             without `Retry-After`), scope local (no limiter needed)"
                 .to_string(),
         );
     }
