@@ -482,3 +482,48 @@ pub unsafe fn callout_answer(
     }
     (status, body)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::native_limits;
+    use tollgate_core::policy::Policies;
+
+    fn refusal(extra: &str) -> Option<String> {
+        let doc =
+            format!(r#"{{"policies":[{{"name":"p","key":[{{"header":"x-tenant"}}],{extra}}}]}}"#);
+        native_limits(&Policies::from_json(doc.as_bytes()).unwrap()).err()
+    }
+
+    /// What the dynamic-module ABI cannot read (a verified JWT's claims) is refused at load,
+    /// naming the field, wherever a policy would read it; a header in its place loads.
+    #[test]
+    fn claims_are_refused_wherever_a_policy_reads_them() {
+        let limits = |by: &str| {
+            format!(
+                r#""limits":{{"by":{by},"values":{{"pro":{{"rate":{{"units":5,"per":"1s"}},"burst":5}}}},
+                    "default":{{"rate":{{"units":1,"per":"1s"}},"burst":1}}}}"#
+            )
+        };
+        let rate = r#""rate":{"units":5,"per":"1s"},"burst":5"#;
+        for (extra, field) in [
+            (
+                limits(r#"{"jwt_claim":{"claim":"plan"}}"#),
+                "policies[0].limits.by.jwt_claim",
+            ),
+            (
+                format!(r#"{rate},"when":[{{"jwt_claim":{{"claim":"plan"}},"equals":"pro"}}]"#),
+                "policies[0].when[0].jwt_claim",
+            ),
+        ] {
+            let refused = refusal(&extra).expect(field);
+            assert!(refused.contains(field), "{refused}");
+        }
+        let keyed = format!(r#"{rate},"key":[{{"jwt_claim":{{"claim":"sub"}}}}]"#);
+        let doc = format!(r#"{{"policies":[{{"name":"p",{keyed}}}]}}"#);
+        let refused = native_limits(&Policies::from_json(doc.as_bytes()).unwrap()).unwrap_err();
+        assert!(refused.contains("key.jwt_claim"), "{refused}");
+        assert_eq!(refusal(&limits(r#"{"header":"x-plan"}"#)), None);
+    }
+}
