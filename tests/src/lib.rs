@@ -29,6 +29,7 @@ pub mod clock;
 pub mod envoy;
 pub mod error;
 pub mod http_blocking;
+pub mod jwt;
 pub mod metered;
 pub mod mtls;
 pub mod paths;

@@ -228,10 +228,7 @@ async fn fleet_wide_each_plan_admits_exactly_its_burst(build: Build) {
 /// it, a trusted one sets it. Here Envoy's header_mutation removes `x-plan`, then jwt_authn
 /// verifies the token and writes its `plan` claim to `x-plan` (`claim_to_headers`).
 fn trusted_plan(config: String) -> String {
-    let jwks = format!(
-        r#"{{"keys":[{{"kty":"oct","alg":"HS256","kid":"k1","k":"{}"}}]}}"#,
-        b64url(JWT_SECRET)
-    );
+    let jwks = tollgate_e2e::jwt::jwks();
     let filters = format!(
         r#"          - name: envoy.filters.http.header_mutation
             typed_config:
@@ -272,8 +269,8 @@ async fn a_caller_cannot_pick_a_better_plan_with_a_header(build: Build) {
         None,
     )));
     let (_envoy, port) = start_config(config);
-    let free = jwt(r#""sub":"t1","plan":"free""#);
-    let no_plan = jwt(r#""sub":"t3""#);
+    let free = tollgate_e2e::jwt::token(r#""sub":"t1","plan":"free""#);
+    let no_plan = tollgate_e2e::jwt::token(r#""sub":"t3""#);
     let forging = |token: &str, tenant: &str, i: usize| {
         item(tenant, Some("enterprise"), i).header("authorization", format!("Bearer {token}"))
     };
@@ -396,53 +393,6 @@ async fn lowering_an_override_admits_no_more_than_the_new_burst(build: Build) {
     assert_eq!(granted() - before, 0);
     assert_eq!(admitted(&raised), 0, "raised to 10 with none left");
     assert_eq!(upstream.requests() as usize, 3 + lowered);
-}
-
-const JWT_SECRET: &[u8] = b"tollgate-e2e-hs256-secret-0123456789";
-
-fn b64url(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for i in 0..=chunk.len() {
-            out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
-        }
-    }
-    out
-}
-
-fn hmac_sha256(key: &[u8], message: &[u8]) -> Vec<u8> {
-    use sha2::{Digest, Sha256};
-    let mut block = [0u8; 64];
-    block[..key.len()].copy_from_slice(key);
-    let pad = |byte: u8| block.iter().map(|b| b ^ byte).collect::<Vec<u8>>();
-    let inner = Sha256::new()
-        .chain_update(pad(0x36))
-        .chain_update(message)
-        .finalize();
-    Sha256::new()
-        .chain_update(pad(0x5c))
-        .chain_update(inner)
-        .finalize()
-        .to_vec()
-}
-
-/// An HS256 token with these claims, valid for an hour.
-fn jwt(claims: &str) -> String {
-    let header = b64url(br#"{"alg":"HS256","typ":"JWT","kid":"k1"}"#);
-    let exp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        + 3600;
-    let payload = b64url(format!(r#"{{"iss":"tollgate-e2e","exp":{exp},{claims}}}"#).as_bytes());
-    let signing_input = format!("{header}.{payload}");
-    let signature = b64url(&hmac_sha256(JWT_SECRET, signing_input.as_bytes()));
-    format!("{signing_input}.{signature}")
 }
 
 tollgate_e2e::both_builds!(

@@ -322,54 +322,6 @@ async fn ten_thousand_tenants_stay_inside_the_slot_table(build: Build) {
     );
 }
 
-/// base64url without padding (JWT encoding).
-fn b64url(data: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut out = String::new();
-    for chunk in data.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for i in 0..=chunk.len() {
-            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
-        }
-    }
-    out
-}
-
-fn hmac_sha256(key: &[u8], message: &[u8]) -> Vec<u8> {
-    use sha2::{Digest, Sha256};
-    let mut block = [0u8; 64];
-    block[..key.len()].copy_from_slice(key);
-    let pad = |byte: u8| block.iter().map(|b| b ^ byte).collect::<Vec<u8>>();
-    let inner = Sha256::new()
-        .chain_update(pad(0x36))
-        .chain_update(message)
-        .finalize();
-    Sha256::new()
-        .chain_update(pad(0x5c))
-        .chain_update(inner)
-        .finalize()
-        .to_vec()
-}
-
-const JWT_SECRET: &[u8] = b"tollgate-e2e-hs256-secret-0123456789";
-
-/// An HS256 token with these claims, valid for an hour.
-fn jwt(claims: &str) -> String {
-    let header = b64url(br#"{"alg":"HS256","typ":"JWT","kid":"k1"}"#);
-    let exp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        + 3600;
-    let payload = b64url(format!(r#"{{"iss":"tollgate-e2e","exp":{exp},{claims}}}"#).as_bytes());
-    let signing_input = format!("{header}.{payload}");
-    let signature = b64url(&hmac_sha256(JWT_SECRET, signing_input.as_bytes()));
-    format!("{signing_input}.{signature}")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_from_verified_jwt_claims() {
     let upstream = Upstream::start();
@@ -378,10 +330,7 @@ async fn tenants_from_verified_jwt_claims() {
         r#""key": [{ "jwt_claim": { "claim": "tenant" } }]"#,
     );
     assert!(policy.contains("jwt_claim"));
-    let jwks = format!(
-        r#"{{"keys":[{{"kty":"oct","alg":"HS256","kid":"k1","k":"{}"}}]}}"#,
-        b64url(JWT_SECRET)
-    );
+    let jwks = tollgate_e2e::jwt::jwks();
     // Envoy's jwt_authn verifies the token and puts its claims in dynamic metadata, where the
     // filter reads them; an unverified token never reaches tollgate.
     let jwt_filter = format!(
@@ -406,9 +355,9 @@ async fn tenants_from_verified_jwt_claims() {
     );
     let envoy = Envoy::start(EnvoyOptions::new(config).concurrency(2).log_level("warn"));
     let port = envoy.listener_port("ingress");
-    let acme_alice = jwt(r#""sub":"alice","tenant":"acme""#);
-    let acme_bob = jwt(r#""sub":"bob","tenant":"acme""#);
-    let globex = jwt(r#""sub":"carol","tenant":"globex""#);
+    let acme_alice = tollgate_e2e::jwt::token(r#""sub":"alice","tenant":"acme""#);
+    let acme_bob = tollgate_e2e::jwt::token(r#""sub":"bob","tenant":"acme""#);
+    let globex = tollgate_e2e::jwt::token(r#""sub":"carol","tenant":"globex""#);
     let with_token = |token: &str, i: usize| {
         RequestSpec::get(format!("/payments/transfers/{i}"))
             .host("api.example.com")
