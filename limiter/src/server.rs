@@ -420,7 +420,15 @@ fn regional_store(
 
 /// Builds the configured store (Redis stores connect in the background).
 fn build_store(config: &ServerConfig) -> Result<AnyStore, StartError> {
-    let settings = config.store_settings();
+    build_store_with(config, config.store_settings())
+}
+
+/// [`build_store`] with these settings (the RateLimitService's store keeps its records for a
+/// shorter time).
+fn build_store_with(
+    config: &ServerConfig,
+    settings: StoreSettings,
+) -> Result<AnyStore, StartError> {
     Ok(match &config.store {
         StoreConfig::Memory => AnyStore::Memory(MemoryStore::new(settings)),
         StoreConfig::Redis(url) => {
@@ -622,18 +630,7 @@ async fn start_rls(
     let rls_metrics = crate::rls::RlsMetrics::new(metrics.registry())?;
     let mut settings = config.store_settings();
     settings.dedup_ttl_ms = RLS_RECORD_TTL_MS;
-    let store = match &config.store {
-        StoreConfig::Memory => AnyStore::Memory(MemoryStore::new(settings)),
-        StoreConfig::Redis(url) => {
-            AnyStore::Redis(RedisStore::new(url, &config.redis_security, settings)?)
-        }
-        StoreConfig::Cluster(urls) => AnyStore::Cluster(RedisClusterStore::new(
-            urls,
-            &config.redis_security,
-            settings,
-        )?),
-    };
-    let store = Arc::new(store);
+    let store = Arc::new(build_store_with(config, settings)?);
     tasks.push(tokio::spawn({
         let store = Arc::clone(&store);
         async move {
