@@ -2,19 +2,19 @@
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
-wasm := "target/wasm32-wasip1/release/tollgate.wasm"
+wasm := "target/wasm32-wasip1/wasm/tollgate.wasm"
 
 # List recipes.
 default:
     @just --list
 
-# Build the filter (.wasm, release profile: lto, opt-level 3, panic=abort, strip).
+# Build the filter (.wasm, profile `wasm`: lto, opt-level 3, panic=abort, strip).
 build-wasm:
-    cargo build --release --target wasm32-wasip1 -p tollgate
+    cargo build --profile wasm --target wasm32-wasip1 -p tollgate
     @ls -l {{wasm}} | awk '{print "built {{wasm}}: " $5 " bytes"}'
 
 # Build the native filter: target/native/libtollgate_native.so, an Envoy dynamic module
-# (profile `native`: release with unwinding panics, caught at every hook).
+# (profile `native`: lto, unwinding panics, caught at every hook).
 build-native:
     cargo build --profile native -p tollgate-native
     @ls -l target/native/libtollgate_native.so | awk '{print "built target/native/libtollgate_native.so: " $5 " bytes"}'
@@ -150,12 +150,11 @@ istio policy="policies/payments.json" repo="registry.example.com/platform/tollga
 dashboard:
     tools/gen-dashboard
 
-# (The bench profile here skips fat LTO: the release profile is tuned for the .wasm.)
 # Per store it also runs h2c next to HTTP/2 over mutual TLS (client certificate) in alternating
 # rounds and prints the ratio. More flags go to the bench: `just bench-limiter 5 --only memory`.
 # Limiter leases/s, p50/p99 over HTTP on Redis, a 3x1 cluster and memory, next to redis-benchmark.
 bench-limiter seconds="5" *args:
-    CARGO_PROFILE_BENCH_LTO=false CARGO_PROFILE_BENCH_CODEGEN_UNITS=16 CARGO_PROFILE_BENCH_OPT_LEVEL=3 CARGO_PROFILE_BENCH_PANIC=unwind cargo bench -p tollgate-limiter --bench leases -- --seconds {{seconds}} {{args}}
+    cargo bench --profile server -p tollgate-limiter --bench leases -- --seconds {{seconds}} {{args}}
 
 # tollgate vs Envoy's own limiters and a per-request global check, side by side: interleaved
 # rounds, ratios, Redis calls, peak RSS; writes bench/results/latest.{md,json}. Needs wrk.

@@ -33,10 +33,10 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::sync::Arc;
-use tollgate::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
-use tollgate::request::{RequestFacts, RequestSource};
-use tollgate::shared::MemorySharedData;
-use tollgate::table::{Cells, SlotTable};
+use tollgate_engine::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
+use tollgate_engine::request::{RequestFacts, RequestSource};
+use tollgate_engine::shared::MemorySharedData;
+use tollgate_engine::table::{Cells, SlotTable};
 use tollgate_core::bucket::{give_back, lease, shape, try_take, BucketState, Limits, Shaped};
 use tollgate_core::key::{escape_part, join_parts, local_bucket_id};
 use tollgate_core::policy::Policies;

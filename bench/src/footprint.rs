@@ -17,10 +17,10 @@
 
 use serde_json::{json, Value};
 use std::sync::Arc;
-use tollgate::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
-use tollgate::request::{RequestFacts, RequestSource};
-use tollgate::shared::MemorySharedData;
-use tollgate::table::{Cells, SlotTable};
+use tollgate_engine::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
+use tollgate_engine::request::{RequestFacts, RequestSource};
+use tollgate_engine::shared::MemorySharedData;
+use tollgate_engine::table::{Cells, SlotTable};
 use tollgate_core::policy::Policies;
 use tollgate_core::protocol::LeaseGranted;
 
@@ -232,7 +232,7 @@ fn measure_case(case: &Case, keys: usize) -> Result<Footprint, String> {
 fn admit(
     engine: &Engine,
     store: &MemorySharedData,
-    plan: &tollgate::engine::Plan,
+    plan: &tollgate_engine::engine::Plan,
     k: usize,
 ) -> Result<(), String> {
     let mut attempt = Attempt::default();

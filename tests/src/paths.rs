@@ -91,16 +91,16 @@ pub fn envoy_bin() -> PathBuf {
     .clone()
 }
 
-/// The filter module: `$TOLLGATE_WASM`, else the workspace's release build for wasm32-wasip1,
+/// The filter module: `$TOLLGATE_WASM`, else the workspace's build for wasm32-wasip1 (profile `wasm`),
 /// built first if it is missing or older than the sources.
 pub fn wasm_path() -> PathBuf {
     let p = env::var_os("TOLLGATE_WASM")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            cargo_build(&["--release", "--target", "wasm32-wasip1", "-p", "tollgate"]);
+            cargo_build(&["--profile", "wasm", "--target", "wasm32-wasip1", "-p", "tollgate"]);
             target_dir()
                 .join("wasm32-wasip1")
-                .join("release")
+                .join("wasm")
                 .join("tollgate.wasm")
         });
     assert!(

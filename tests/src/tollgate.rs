@@ -270,7 +270,7 @@ pub fn envoy_config(
         .replace("port_value: 10001", "port_value: 0")
         .replace("port_value: 9901", "port_value: 0")
         .replace(
-            "filename: target/wasm32-wasip1/release/tollgate.wasm",
+            "filename: target/wasm32-wasip1/wasm/tollgate.wasm",
             &format!("filename: {}", paths::wasm_path().display()),
         );
     let mut clusters =

@@ -9,7 +9,7 @@
 //! every query names only metrics (and labels) tollgate defines. Queries are parsed with a
 //! real PromQL parser (tools/promql-metrics, the promql-parser wheel); the metric list below
 //! is checked against the sources that define the metrics (src/metrics.rs for the filter,
-//! limiter/src/metrics.rs for the limiter), so a rename on either side fails here.
+//! crates/limiter/src/metrics.rs for the limiter), so a rename on either side fails here.
 
 mod ops;
 
@@ -32,7 +32,7 @@ enum Source {
     Filter,
     /// The limiter's /metrics.
     Limiter,
-    /// A regional limiter's /metrics (`limiter/src/region/metrics.rs`).
+    /// A regional limiter's /metrics (`crates/limiter/src/region/metrics.rs`).
     Region,
 }
 
@@ -543,7 +543,7 @@ fn every_query_names_a_metric_tollgate_defines() {
     }
 }
 
-/// Labels listed right after a metric's name in limiter/src/metrics.rs (`&["a", "b"]`).
+/// Labels listed right after a metric's name in crates/limiter/src/metrics.rs (`&["a", "b"]`).
 fn labels_after(source: &str, name: &str) -> Option<BTreeSet<String>> {
     let at = source.find(&format!("\"{name}\""))?;
     let rest = &source[at..];
@@ -560,21 +560,21 @@ fn labels_after(source: &str, name: &str) -> Option<BTreeSet<String>> {
 
 #[test]
 fn the_metric_list_matches_the_sources() {
-    let filter = std::fs::read_to_string(root().join("src/metrics.rs")).unwrap();
-    let limiter = std::fs::read_to_string(root().join("limiter/src/metrics.rs")).unwrap();
-    let region = std::fs::read_to_string(root().join("limiter/src/region/metrics.rs")).unwrap();
+    let filter = std::fs::read_to_string(root().join("crates/engine/src/metrics.rs")).unwrap();
+    let limiter = std::fs::read_to_string(root().join("crates/limiter/src/metrics.rs")).unwrap();
+    let region = std::fs::read_to_string(root().join("crates/limiter/src/region/metrics.rs")).unwrap();
     for (name, kind, labels, source) in METRICS {
         let labels: BTreeSet<String> = labels.iter().map(|l| l.to_string()).collect();
         match source {
             Source::Limiter => {
                 let found = labels_after(&limiter, name).unwrap_or_else(|| {
-                    panic!("limiter/src/metrics.rs does not define {name} (with its labels)")
+                    panic!("crates/limiter/src/metrics.rs does not define {name} (with its labels)")
                 });
                 assert_eq!(found, labels, "labels of {name}");
             }
             Source::Region => {
                 let found = labels_after(&region, name).unwrap_or_else(|| {
-                    panic!("limiter/src/region/metrics.rs does not define {name} (with its labels)")
+                    panic!("crates/limiter/src/region/metrics.rs does not define {name} (with its labels)")
                 });
                 assert_eq!(found, labels, "labels of {name}");
             }
@@ -592,7 +592,7 @@ fn the_metric_list_matches_the_sources() {
                 };
                 assert!(
                     defined,
-                    "src/metrics.rs does not define {name} as a {kind:?} with labels {labels:?}"
+                    "crates/engine/src/metrics.rs does not define {name} as a {kind:?} with labels {labels:?}"
                 );
             }
         }

@@ -86,7 +86,7 @@ fn envoy_configs_are_static_bootstraps_func_e_can_run() {
             if f.ends_with("tollgate.wasm") {
                 assert_eq!(
                     root().join(p),
-                    paths::target_dir().join("wasm32-wasip1/release/tollgate.wasm"),
+                    paths::target_dir().join("wasm32-wasip1/wasm/tollgate.wasm"),
                     "{name}: the filter is loaded from where `just build-wasm` puts it"
                 );
             } else {

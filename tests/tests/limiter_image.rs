@@ -35,7 +35,7 @@ const MT_LAYER: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 const REPO: &str = "registry.example.com/platform/tollgate-limiter";
 
 fn limiter_version() -> String {
-    let toml = std::fs::read_to_string(root().join("limiter/Cargo.toml")).unwrap();
+    let toml = std::fs::read_to_string(root().join("crates/limiter/Cargo.toml")).unwrap();
     toml.lines()
         .find_map(|l| l.strip_prefix("version = \""))
         .and_then(|rest| rest.split('"').next())

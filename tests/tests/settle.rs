@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate::{assert_embeds_policy, envoy_config, policy_metric, start_ingress};
+use tollgate_e2e::tollgate_engine::{assert_embeds_policy, envoy_config, policy_metric, start_ingress};
 use tollgate_e2e::{
     burst, paths, process, send, try_burst, try_send_streamed, Envoy, EnvoyOptions, MeteredRequest,
     MeteredUpstream, RequestSpec, Response, UsageIn, Wire,
@@ -85,7 +85,7 @@ async fn the_shipped_llm_example_is_what_the_readme_shows() {
         .replace("port_value: 9901", "port_value: 0")
         .replace("port_value: 10001", &format!("port_value: {model_port}"))
         .replace(
-            "filename: target/wasm32-wasip1/release/tollgate.wasm",
+            "filename: target/wasm32-wasip1/wasm/tollgate.wasm",
             &format!("filename: {}", paths::wasm_path().display()),
         );
     let envoy = Envoy::start(

@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use tollgate_e2e::tollgate::{
+use tollgate_e2e::tollgate_engine::{
     envoy_config, policy_metric, prometheus_value, start_ingress, Limiter, Store,
 };
 use tollgate_e2e::{process, send, MeteredRequest, MeteredUpstream, RedisServer, RequestSpec};
