@@ -17,6 +17,9 @@ use tollgate_core::protocol::{
     LeaseBatch, LeaseBatchResponse, LeaseGranted, LeaseResult, LEASES_PATH,
 };
 
+/// Request headers the worker sets on a request it resumes.
+type SetHeaders = Vec<(String, String)>;
+
 /// What the worker did through its host: callouts sent, requests resumed or answered, the tick.
 #[derive(Default)]
 struct RootLog {
@@ -24,7 +27,7 @@ struct RootLog {
     /// Callouts in flight: token, path, body.
     sent: RefCell<Vec<(u32, String, Vec<u8>)>>,
     /// Requests resumed, with the request headers set on them first.
-    resumed: RefCell<Vec<(u32, Vec<(String, String)>)>>,
+    resumed: RefCell<Vec<(u32, SetHeaders)>>,
     /// Requests answered: id and status.
     replied: RefCell<Vec<(u32, u32)>>,
     tick_ms: Cell<u64>,
