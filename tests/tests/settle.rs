@@ -81,7 +81,7 @@ fn shipped_config_embeds_the_llm_policy() {
 /// stand-in model server (a `direct_response` answering 42 tokens). What the page shows is
 /// what a client gets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_shipped_llm_example_is_what_the_readme_shows() {
+async fn the_shipped_llm_example_is_what_the_book_shows() {
     let model_port = tollgate_e2e::free_port();
     let config = std::fs::read_to_string(paths::workspace_root().join("envoy/llm.yaml"))
         .unwrap()
