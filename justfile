@@ -92,11 +92,17 @@ deny-advisories:
 
 # Every test: lint, unit + property + end-to-end (real Envoy, real Redis), core on wasm32.
 # (A plain `cargo test` runs the unit and property tests only.)
-test: lint build-wasm build-native
+test: lint docs build-wasm build-native
     cargo build -p tollgate-limiter
     # Every suite runs even when an earlier one fails; the recipe fails at the end if any did.
     # The end-to-end tier (real Envoy, Redis, limiter) is behind the e2e features.
     status=0; cargo test --workspace --no-fail-fast --features tollgate-e2e/e2e,tollgate-limiter/e2e || status=1; cargo test -p tollgate-core --target wasm32-wasip1 || status=1; exit $status
+
+# Build the book (docs/, mdBook) into target/book/ and check the links of the documentation:
+# every relative link and #anchor of README.md, CONTRIBUTING.md, CHANGELOG.md and docs/src.
+docs:
+    mdbook build docs
+    tools/check-links
 
 # Outputs target/oci/tollgate/ (OCI layout), target/oci/tollgate.tar (oci-archive) and
 # target/oci/tollgate.digest (what WasmPlugin.sha256 pins). Push with

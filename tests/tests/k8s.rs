@@ -31,7 +31,8 @@ use serde_json::{json, Value};
 /// Oldest and newest Kubernetes versions the manifests are checked against.
 const K8S_VERSIONS: [&str; 2] = ["1.29.0", "1.37.0"];
 
-/// The label that admits a gateway's pods to the limiter (networkpolicy-limiter.yaml, README).
+/// The label that admits a gateway's pods to the limiter (networkpolicy-limiter.yaml, and the
+/// book's docs/src/deploy/kubernetes.md).
 const GATEWAY_LABEL: (&str, &str) = ("tollgate.io/gateway", "true");
 
 /// The limiter's admin listener (/healthz, /readyz, /metrics; plaintext).
@@ -992,12 +993,13 @@ fn network_policies_admit_only_the_documented_callers() {
         15020,
     );
 
-    // The README tells gateway owners which label admits their pods.
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    // The book's Kubernetes page tells gateway owners which label admits their pods.
+    let page = "docs/src/deploy/kubernetes.md";
+    let text = std::fs::read_to_string(root().join(page)).unwrap();
     let (k, v) = GATEWAY_LABEL;
     assert!(
-        readme.contains(&format!("{k}: \"{v}\"")),
-        "README.md must document the gateway label {k}: \"{v}\""
+        text.contains(&format!("{k}: \"{v}\"")),
+        "{page} must document the gateway label {k}: \"{v}\""
     );
 }
 

@@ -59,6 +59,9 @@ fn statuses(responses: &[Response]) -> std::collections::BTreeMap<u16, usize> {
     counts
 }
 
+/// The book's page that shows `policies/llm.json` and what the shipped example answers.
+const COSTS_PAGE: &str = "docs/src/policies/costs.md";
+
 fn chat(tenant: &str) -> RequestSpec {
     RequestSpec::post("/v1/chat/completions", "{}").header("x-tenant-id", tenant)
 }
@@ -67,17 +70,18 @@ fn chat(tenant: &str) -> RequestSpec {
 fn shipped_config_embeds_the_llm_policy() {
     assert_embeds_policy("envoy/llm.yaml", "policies/llm.json");
     let text = std::fs::read_to_string(paths::workspace_root().join("policies/llm.json")).unwrap();
-    let readme = std::fs::read_to_string(paths::workspace_root().join("README.md")).unwrap();
+    let page = std::fs::read_to_string(paths::workspace_root().join(COSTS_PAGE)).unwrap();
     assert!(
-        readme.contains(text.trim()),
-        "README.md does not show policies/llm.json as it is"
+        page.contains(text.trim()),
+        "{COSTS_PAGE} does not show policies/llm.json as it is"
     );
 }
 
-/// The README's example, as shipped: `envoy/llm.yaml` with its stand-in model server (a
-/// `direct_response` answering 42 tokens). What the README shows is what a client gets.
+/// The book's example (*Costs known after the response*), as shipped: `envoy/llm.yaml` with its
+/// stand-in model server (a `direct_response` answering 42 tokens). What the page shows is
+/// what a client gets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_shipped_llm_example_is_what_the_readme_shows() {
+async fn the_shipped_llm_example_is_what_the_book_shows() {
     let model_port = tollgate_e2e::free_port();
     let config = std::fs::read_to_string(paths::workspace_root().join("envoy/llm.yaml"))
         .unwrap()
@@ -101,7 +105,7 @@ async fn the_shipped_llm_example_is_what_the_readme_shows() {
             .body(r#"{"model":"m","max_tokens":300}"#),
     )
     .await;
-    let readme = std::fs::read_to_string(paths::workspace_root().join("README.md")).unwrap();
+    let page = std::fs::read_to_string(paths::workspace_root().join(COSTS_PAGE)).unwrap();
     let shown = [
         format!("HTTP/1.1 {} OK", r.status),
         format!(
@@ -122,7 +126,7 @@ async fn the_shipped_llm_example_is_what_the_readme_shows() {
         .collect();
     assert_eq!(lines.len(), 3, "{metrics}");
     for line in shown.iter().map(String::as_str).chain(lines) {
-        assert!(readme.contains(line), "README.md does not show `{line}`");
+        assert!(page.contains(line), "{COSTS_PAGE} does not show `{line}`");
     }
 }
 

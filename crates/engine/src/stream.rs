@@ -433,3 +433,6 @@ fn request_text(value: Option<&[u8]>) -> Cow<'_, str> {
         Err(_) => String::from_utf8_lossy(value),
     }
 }
+
+#[cfg(test)]
+mod tests;

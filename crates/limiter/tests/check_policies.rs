@@ -90,7 +90,8 @@ fn shipped_policies_pass_and_bad_ones_fail_with_fields() {
     assert_ne!(code, 0);
 }
 
-/// `--explain`: the README shows what the binary prints for `policies/plans.json`, and the
+/// `--explain`: the book (docs/src/policies/limits.md) shows what the binary prints for
+/// `policies/plans.json`, and the
 /// sample request's facts decide the entry (an override, a default, no header at all).
 #[test]
 fn explain_prints_the_plan_of_a_sample_request() {
@@ -117,10 +118,10 @@ fn explain_prints_the_plan_of_a_sample_request() {
         String::from_utf8(out.stdout).unwrap()
     };
     let pro = explain(&["x-tenant-id: t1", "x-plan: pro"]);
-    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    let page = std::fs::read_to_string(format!("{root}/docs/src/policies/limits.md")).unwrap();
     assert!(
-        readme.contains(&format!("--header 'x-plan: pro'\n{pro}```")),
-        "the README's --explain output differs from:\n{pro}"
+        page.contains(&format!("--header 'x-plan: pro'\n{pro}```")),
+        "the --explain output in docs/src/policies/limits.md differs from:\n{pro}"
     );
     let acme = explain(&["x-tenant-id: acme", "x-plan: free"]);
     assert!(

@@ -434,19 +434,16 @@ fn readme_shows_what_the_command_prints() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let section = readme
-        .split("### Migrating from envoyproxy/ratelimit")
-        .nth(1)
-        .unwrap();
+    // The book's page on the importer shows the report and the document as printed.
+    let section = std::fs::read_to_string(root.join("docs/src/ratelimit/import.md")).unwrap();
     let stderr = String::from_utf8(out.stderr).unwrap();
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert!(
         section.contains(&format!("imported.json\n{stderr}$ ")),
-        "the README's report differs from:\n{stderr}"
+        "docs/src/ratelimit/import.md's report differs from:\n{stderr}"
     );
     assert!(
         section.contains(&format!("$ cat imported.json\n{stdout}```")),
-        "the README's document differs from:\n{stdout}"
+        "docs/src/ratelimit/import.md's document differs from:\n{stdout}"
     );
 }

@@ -422,12 +422,12 @@ fn every_bad_condition_is_reported_and_their_number_is_bounded() {
 }
 
 #[test]
-fn the_readme_example_loads_and_decides_as_it_says() {
-    let readme = include_str!("../../../../README.md");
-    let section = readme
-        .split("### Conditions (`when`)")
+fn the_book_example_loads_and_decides_as_it_says() {
+    let page = include_str!("../../../../docs/src/policies/conditions.md");
+    let section = page
+        .split("# Conditions (`when`)")
         .nth(1)
-        .expect("README has a Conditions section");
+        .expect("docs/src/policies/conditions.md is the Conditions page");
     let json = section
         .split("```json\n")
         .nth(1)
