@@ -2317,4 +2317,271 @@ mod tests {
             2.0
         );
     }
+
+    /// A value that varies with `seed` and `salt` (a fixed stream, no randomness).
+    fn mix(seed: u64, salt: u64) -> u64 {
+        let mut x = seed
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(salt.wrapping_mul(0xBF58_476D_1CE4_E5B9));
+        x ^= x >> 31;
+        x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 29)
+    }
+
+    /// A scenario of `rounds` runs whose numbers follow from `seed`; `cpu` and `redis` say
+    /// whether those were measured.
+    fn fixed_scenario(id: &str, seed: u64, rounds: u32, cpu: bool, redis: bool) -> Scenario {
+        let runs = (0..rounds)
+            .map(|round| {
+                let m = |salt: u64| mix(seed, u64::from(round) * 100 + salt);
+                let requests = 50_000 + m(1) % 20_000;
+                Run {
+                    round,
+                    measured: Measured {
+                        requests,
+                        seconds: 5.0 + (m(2) % 100) as f64 / 1000.0,
+                        non_2xx: if seed % 7 == 3 { m(3) % 5 } else { 0 },
+                        socket_errors: if seed % 11 == 4 { m(4) % 3 } else { 0 },
+                        p50_us: 900 + m(5) % 400,
+                        p90_us: 1500 + m(6) % 500,
+                        p99_us: 2500 + m(7) % 1500,
+                        mean_us: 1000.0 + (m(8) % 1000) as f64 / 7.0,
+                    },
+                    redis: redis.then(|| (requests / 60 + m(9) % 50, requests / 20 + m(10) % 90)),
+                    envoy_cpu_s: cpu
+                        .then(|| requests as f64 * (12.0 + (m(11) % 80) as f64 / 10.0) * 1e-6),
+                    backend_cpu_s: (cpu && redis)
+                        .then(|| requests as f64 * (3.0 + (m(12) % 40) as f64 / 10.0) * 1e-6),
+                }
+            })
+            .collect();
+        Scenario {
+            id: id.into(),
+            title: format!("scenario {id}"),
+            runs,
+            envoy_peak_rss: cpu.then(|| 40 * 1024 * 1024 + mix(seed, 13) % (8 * 1024 * 1024)),
+            limiter_peak_rss: redis.then(|| 12 * 1024 * 1024 + mix(seed, 14) % (4 * 1024 * 1024)),
+            counters: Vec::new(),
+        }
+    }
+
+    fn with_counters(mut sc: Scenario, counters: &[(&str, u64)]) -> Scenario {
+        sc.counters = counters.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        sc
+    }
+
+    fn fixed_over_limit(round: u32, name: &str, seed: u64) -> OverLimitRun {
+        let m = |salt: u64| mix(seed, u64::from(round) * 100 + salt);
+        let instance = |salt: u64| InstanceRun {
+            offered: 9_000 + m(salt) % 900,
+            admitted: 900 + m(salt + 1) % 90,
+            denied: 8_000 + m(salt + 2) % 800,
+            other: m(salt + 3) % 3,
+            offered_steady: 7_000 + m(salt + 4) % 700,
+            admitted_steady: 700 + m(salt + 5) % 70,
+            lease_calls: 200 + m(salt + 6) % 40,
+            lease_calls_after_1s: 150 + m(salt + 7) % 40,
+            assignments: m(salt + 8) % 20,
+            per_second: (0..3)
+                .map(|s| crate::paced::Second {
+                    offered: 3_000 + m(salt + 10 + s) % 300,
+                    admitted: 300 + m(salt + 20 + s) % 30,
+                    denied: 2_700 + m(salt + 30 + s) % 270,
+                })
+                .collect(),
+        };
+        let samples = |salt: u64| (0..40).map(|i| 500 + m(salt + i) % 4_000).collect();
+        OverLimitRun {
+            round,
+            variant: name.into(),
+            multiple: 10.0,
+            split: (3, 1),
+            seconds: 8.0 + (m(1) % 50) as f64 / 1000.0,
+            warmup_s: 2.0,
+            tenants: 4,
+            rate: 50,
+            burst: 10,
+            demanded: 18_000 + m(2) % 1_000,
+            admitted: (0..4)
+                .map(|k| (format!("k{k}"), 400 + m(3 + k) % 80))
+                .collect(),
+            undecided: m(8) % 4,
+            instances: [instance(100), instance(200)],
+            retries: m(9) % 6,
+            redis: (seed % 2 == 0).then(|| (400 + m(10) % 90, 3_000 + m(11) % 900)),
+            admitted_latency: Latency::of(samples(300)),
+            denied_latency: Latency::of(if seed % 3 == 0 {
+                Vec::new()
+            } else {
+                samples(400)
+            }),
+        }
+    }
+
+    fn fixed_setup(distribution: &str) -> Setup {
+        Setup {
+            date: "2026-01-02 03:04 UTC".into(),
+            commit: "abc1234".into(),
+            machine: "2 cores, test machine".into(),
+            envoy: "envoy 1.2.3".into(),
+            concurrency: 1,
+            wrk_threads: 1,
+            connections: 64,
+            seconds: 5.0,
+            rounds: 3,
+            tenants: 100,
+            distribution: distribution.into(),
+        }
+    }
+
+    /// Reports that reach every table and note, each in the forms it can take.
+    fn fixed_reports() -> Vec<(&'static str, Report)> {
+        let full = Report {
+            setup: fixed_setup("zipf"),
+            scenarios: vec![
+                fixed_scenario("1", 1, 3, true, false),
+                fixed_scenario("2", 2, 3, true, false),
+                fixed_scenario("3", 3, 3, true, false),
+                with_counters(
+                    fixed_scenario("4", 4, 3, true, false),
+                    &[("decided", 150_000), ("denied", 0)],
+                ),
+                with_counters(
+                    fixed_scenario("5", 5, 3, true, true),
+                    &[
+                        ("lease_requests", 2_100),
+                        ("decided", 160_000),
+                        ("denied", 3),
+                        ("undecided", 2),
+                    ],
+                ),
+                with_counters(
+                    fixed_scenario("6", 6, 3, true, true),
+                    &[("lease_requests", 150_000), ("decided", 150_000)],
+                ),
+                with_counters(
+                    fixed_scenario("4s", 7, 3, true, false),
+                    &[
+                        ("decided", 140_000),
+                        ("units_reserved", 700_000),
+                        ("units_settled", 420_000),
+                        ("units_refunded", 280_000),
+                        ("units_debt", 12),
+                        ("usage_missing", 1),
+                    ],
+                ),
+                with_counters(
+                    fixed_scenario("5s", 8, 2, true, true),
+                    &[
+                        ("decided", 120_000),
+                        ("units_reserved", 600_000),
+                        ("limiter_units_settled", 5),
+                    ],
+                ),
+                with_counters(
+                    fixed_scenario("5t", 9, 3, true, true),
+                    &[("limiter_tls_handshakes", 2), ("limiter_connections", 2)],
+                ),
+                with_counters(
+                    fixed_scenario("4f", 10, 3, true, false),
+                    &[("decided", 150_000)],
+                ),
+                with_counters(
+                    fixed_scenario("4w", 11, 3, true, false),
+                    &[("decided", 150_000), ("denied", 4)],
+                ),
+                with_counters(
+                    fixed_scenario("4l", 12, 3, true, false),
+                    &[("decided", 150_000), ("denied", 40)],
+                ),
+                with_counters(
+                    fixed_scenario("8", 13, 3, true, true),
+                    &[
+                        ("allowed", 140_000),
+                        ("denied", 1_000),
+                        ("rls_errors", 7),
+                        ("rls_errors_before_rounds", 2),
+                        ("limiter_rls_calls", 141_000),
+                        ("limiter_connections", 1),
+                    ],
+                ),
+                fixed_scenario("1u", 14, 3, true, false),
+                fixed_scenario("5u", 15, 3, true, true),
+                fixed_scenario("3n", 16, 3, true, false),
+                fixed_scenario("4n", 17, 3, true, false),
+                fixed_scenario("5n", 18, 2, true, true),
+            ],
+            over_limit: vec![
+                fixed_over_limit(0, "3× even", 20),
+                fixed_over_limit(0, "10× 3:1", 21),
+                fixed_over_limit(1, "3× even", 22),
+                fixed_over_limit(1, "10× 3:1", 23),
+            ],
+        };
+        let sparse = Report {
+            setup: fixed_setup("uniform"),
+            scenarios: vec![
+                fixed_scenario("1", 31, 2, true, false),
+                fixed_scenario("3", 33, 2, false, false),
+                fixed_scenario("5", 35, 2, false, true),
+                with_counters(
+                    fixed_scenario("8", 38, 1, true, true),
+                    &[
+                        ("rls_errors", 3),
+                        ("rls_errors_before_rounds", 3),
+                        ("limiter_connections", 4),
+                    ],
+                ),
+                with_counters(
+                    fixed_scenario("5t", 39, 1, true, true),
+                    &[("limiter_tls_handshakes", 1), ("limiter_connections", 1)],
+                ),
+                fixed_scenario("4", 34, 2, true, false),
+                with_counters(fixed_scenario("4l", 40, 2, true, false), &[("decided", 9)]),
+                fixed_scenario("3n", 41, 2, false, false),
+            ],
+            over_limit: Vec::new(),
+        };
+        let only_over_limit = Report {
+            setup: fixed_setup("zipf"),
+            scenarios: Vec::new(),
+            over_limit: vec![
+                fixed_over_limit(0, "30× 1:1", 51),
+                fixed_over_limit(0, "3× 9:1", 54),
+            ],
+        };
+        vec![
+            ("full", full),
+            ("sparse", sparse),
+            ("only_over_limit", only_over_limit),
+        ]
+    }
+
+    /// The markdown and JSON of fixed reports are those stored in `report/testdata/`: a change
+    /// of the report's code that changes its output shows here. `TOLLGATE_BENCH_BLESS=1` writes
+    /// the files anew (after a change meant to change the output).
+    #[test]
+    fn rendering_of_fixed_reports_is_unchanged() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/report/testdata");
+        let bless = std::env::var_os("TOLLGATE_BENCH_BLESS").is_some();
+        for (name, report) in fixed_reports() {
+            let rendered = [
+                (format!("{name}.md"), report.markdown()),
+                (
+                    format!("{name}.json"),
+                    serde_json::to_string_pretty(&report.json()).unwrap_or_default() + "\n",
+                ),
+            ];
+            for (file, text) in rendered {
+                let path = dir.join(&file);
+                if bless {
+                    std::fs::create_dir_all(&dir).unwrap();
+                    std::fs::write(&path, &text).unwrap();
+                }
+                let stored = std::fs::read_to_string(&path)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(stored == text, "{file} differs from the stored rendering");
+            }
+        }
+    }
 }
