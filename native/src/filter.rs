@@ -2,7 +2,7 @@
 //! dynamic-module callbacks. Hooks run on the request's worker thread.
 
 use crate::abi::{self, EnvoyBuffer, EnvoyHttpHeader, FilterEnvoyPtr, ModuleBuffer};
-use crate::config::{lock, now_ms, MainHost, NativeConfig, Outcome, Parked, Shared};
+use crate::config::{lock, now_ms, MainHost, NativeConfig, Outcome, Parked, Scheduler};
 use crate::shared::ProcessSharedData;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -232,7 +232,7 @@ impl<'a> Instance for View<'a> {
                 };
                 if !scheduler.is_null() {
                     entry.insert(Parked {
-                        scheduler: Shared(scheduler),
+                        scheduler: Scheduler(scheduler),
                         outcome: None,
                     });
                 }
