@@ -320,8 +320,10 @@ impl Request {
             headers.iter().find_map(|h| {
                 // SAFETY: Envoy's buffers, valid during the hook this `Request` lives in.
                 let key = unsafe { raw_bytes(h.key_ptr, h.key_length) };
-                key.eq_ignore_ascii_case(name.as_bytes())
-                    .then(|| unsafe { raw_bytes(h.value_ptr, h.value_length) })
+                key.eq_ignore_ascii_case(name.as_bytes()).then(|| {
+                    // SAFETY: as for the key.
+                    unsafe { raw_bytes(h.value_ptr, h.value_length) }
+                })
             })
         };
         f(found)
