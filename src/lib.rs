@@ -6,6 +6,8 @@
 //! callouts, over host traits; `filter` is the proxy-wasm glue (the .wasm only; the native
 //! dynamic module is the `tollgate-native` crate).
 
+#![forbid(unsafe_code)]
+
 pub mod engine;
 #[cfg(target_arch = "wasm32")]
 pub mod filter;
