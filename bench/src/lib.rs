@@ -6,6 +6,8 @@
 //! and `/proc` counters, medians, ratios and targets, the report, scenario 7's paced load,
 //! the SVG charts drawn from the JSON result, and the bytes of shared state per key.
 
+#![forbid(unsafe_code)]
+
 pub mod chart;
 pub mod config;
 pub mod footprint;

@@ -49,6 +49,7 @@
 //! state per key of each algorithm (`footprint.rs`; `micro-summary` adds the same table to
 //! micro.md), measured against in-memory shared data, in well under a second.
 
+#![forbid(unsafe_code)]
 #![allow(clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;

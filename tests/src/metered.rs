@@ -78,26 +78,23 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
-use std::net::{Ipv4Addr, TcpListener as StdTcpListener};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
-use hyper::service::service_fn;
 use hyper::StatusCode;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::sync::oneshot;
 
 use crate::client::RequestSpec;
 use crate::error::{HarnessError, Result};
 use crate::process;
+use crate::upstream::HttpServer;
 
 /// Request header: the units the response reports.
 pub const USAGE: &str = "x-usage";
@@ -242,17 +239,14 @@ struct State {
 
 /// A running metered upstream; stops on `Drop` (answers still in flight count as aborted).
 pub struct MeteredUpstream {
-    port: u16,
+    server: HttpServer,
     state: Arc<State>,
-    shutdown: Option<oneshot::Sender<()>>,
-    done: mpsc::Receiver<()>,
-    thread: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for MeteredUpstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MeteredUpstream")
-            .field("port", &self.port)
+            .field("port", &self.port())
             .field("requests", &self.requests())
             .field("in_flight", &self.in_flight())
             .field("max_in_flight", &self.max_in_flight())
@@ -265,40 +259,16 @@ impl std::fmt::Debug for MeteredUpstream {
 impl MeteredUpstream {
     /// Bind 127.0.0.1:0 and serve on a thread of its own (HTTP/1.1 and h2c prior knowledge).
     pub fn start() -> MeteredUpstream {
-        let listener = StdTcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .unwrap_or_else(|e| panic!("metered upstream: cannot bind 127.0.0.1:0: {e}"));
-        let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
-        listener
-            .set_nonblocking(true)
-            .unwrap_or_else(|e| panic!("metered upstream: set_nonblocking: {e}"));
         let state = Arc::new(State::default());
-        let (shutdown_tx, shutdown_rx) = oneshot::channel();
-        let (done_tx, done_rx) = mpsc::channel();
-        let thread_state = Arc::clone(&state);
-        let thread = std::thread::Builder::new()
-            .name(format!("e2e-metered-{port}"))
-            .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("metered upstream runtime");
-                rt.block_on(serve(listener, thread_state, shutdown_rx));
-                // Dropping the runtime drops the connections and their answers in flight.
-                drop(rt);
-                let _ = done_tx.send(());
-            })
-            .expect("spawn metered upstream thread");
-        MeteredUpstream {
-            port,
-            state,
-            shutdown: Some(shutdown_tx),
-            done: done_rx,
-            thread: Some(thread),
-        }
+        let served = Arc::clone(&state);
+        let server = HttpServer::start("metered upstream", move |req| {
+            handle(req, Arc::clone(&served))
+        });
+        MeteredUpstream { server, state }
     }
 
     pub fn port(&self) -> u16 {
-        self.port
+        self.server.port()
     }
 
     /// Requests whose head arrived so far.
@@ -379,24 +349,6 @@ impl MeteredUpstream {
             },
         )
         .unwrap_or_else(|e| panic!("{e} ({self:?})"))
-    }
-}
-
-impl Drop for MeteredUpstream {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if self.done.recv_timeout(Duration::from_secs(5)).is_ok() {
-            if let Some(t) = self.thread.take() {
-                let _ = t.join();
-            }
-        } else {
-            eprintln!(
-                "e2e: metered upstream on port {} did not stop within 5s",
-                self.port
-            );
-        }
     }
 }
 
@@ -669,32 +621,6 @@ fn thirds(s: &str) -> Vec<String> {
         .chunks(step)
         .map(|c| String::from_utf8_lossy(c).into_owned())
         .collect()
-}
-
-async fn serve(listener: StdTcpListener, state: Arc<State>, mut shutdown: oneshot::Receiver<()>) {
-    let listener = match tokio::net::TcpListener::from_std(listener) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("e2e: metered upstream: {e}");
-            return;
-        }
-    };
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => return,
-            accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
-                let _ = stream.set_nodelay(true);
-                let state = Arc::clone(&state);
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| handle(req, Arc::clone(&state)));
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        }
-    }
 }
 
 async fn handle(

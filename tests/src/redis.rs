@@ -2,9 +2,10 @@
 //! (3 primaries + replicas) on loopback, with the failure injections the design needs
 //! (pause = SIGSTOP, restart = empty store, failover, node kill).
 //!
-//! Commands go over a raw RESP2 `TcpStream` (no redis-cli output parsing, no client crate):
-//! one connection per command, every read bounded by a timeout, so a paused server shows up
-//! as a timeout, exactly like the limiter would see it.
+//! Commands go through the `redis` crate's synchronous client (RESP2, no redis-cli output
+//! parsing): one connection per command, connecting and every read bounded by a timeout, so a
+//! paused server shows up as a timeout, exactly like the limiter would see it. Replies come
+//! back as [`Resp`], error replies as values (`Resp::Error`), not transport errors.
 //!
 //! redis-server cannot bind port 0, so ports come from [`crate::ports::free_port`]; if the
 //! bind races and fails the server is started again on another port, and a server is only
@@ -16,12 +17,13 @@
 //! admin user of its own when ACLs are on; the limiter is given only the TLS port
 //! ([`RedisServer::tls_url`]).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use redis::{ConnectionLike, IntoConnectionInfo};
 
 use crate::error::{HarnessError, Result};
 use crate::paths;
@@ -35,7 +37,7 @@ const STARTUP_TIMEOUT: Duration = process::STARTUP_DEADLINE;
 const CLUSTER_TIMEOUT: Duration = process::STARTUP_DEADLINE;
 
 // ---------------------------------------------------------------------------------------
-// RESP
+// Commands
 
 /// A RESP2 reply. Error replies are values (`Resp::Error`), not transport errors.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,120 +99,91 @@ pub fn command(port: u16, args: &[&str], timeout: Duration) -> Result<Resp> {
     command_as(port, None, args, timeout)
 }
 
-/// RESP2 encoding of one command.
-fn encode(args: &[&str]) -> Vec<u8> {
-    let mut req = format!("*{}\r\n", args.len()).into_bytes();
-    for a in args {
-        req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-        req.extend_from_slice(a.as_bytes());
-        req.extend_from_slice(b"\r\n");
-    }
-    req
-}
-
-/// [`command`], authenticated first as `auth` (`(user, password)`) when given: `AUTH` and the
-/// command go out in one write; a refused `AUTH` is an `Err`.
+/// [`command`], authenticated first as `auth` (`(user, password)`) when given; a refused
+/// `AUTH` is an `Err`. The connection is redis-rs's synchronous one: connecting and the
+/// handshake are bounded by `timeout`, the command by what is left of it.
 pub fn command_as(
     port: u16,
     auth: Option<(&str, &str)>,
     args: &[&str],
     timeout: Duration,
 ) -> Result<Resp> {
-    let what = || format!("redis 127.0.0.1:{port} {:?}", args.first().unwrap_or(&""));
-    let deadline = Instant::now() + timeout;
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let mut stream = TcpStream::connect_timeout(&addr, timeout)
-        .map_err(|e| HarnessError::new(format!("{}: connect: {e}", what())))?;
-    stream.set_nodelay(true).ok();
-    let mut req = match auth {
-        Some((user, password)) => encode(&["AUTH", user, password]),
-        None => Vec::new(),
+    let Some((name, rest)) = args.split_first() else {
+        return Err(HarnessError::new(format!(
+            "redis 127.0.0.1:{port}: no command to send"
+        )));
     };
-    req.extend_from_slice(&encode(args));
-    stream
-        .set_write_timeout(Some(timeout))
-        .and_then(|()| stream.write_all(&req))
-        .map_err(|e| HarnessError::new(format!("{}: write: {e}", what())))?;
-    let mut reader = BufReader::new(Deadlined { stream, deadline });
-    let read_failed = |e: std::io::Error| {
-        if matches!(
-            e.kind(),
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-        ) {
-            HarnessError::new(format!("{}: no reply within {timeout:?}", what()))
+    let what = format!("redis 127.0.0.1:{port} {name:?}");
+    let failed = |step: &str, e: redis::RedisError| {
+        if e.is_timeout() {
+            HarnessError::new(format!("{what}: no reply within {timeout:?}"))
+        } else if e.kind() == redis::ErrorKind::AuthenticationFailed {
+            HarnessError::new(format!("{what}: AUTH refused: {e}"))
         } else {
-            HarnessError::new(format!("{}: read: {e}", what()))
+            HarnessError::new(format!("{what}: {step}: {e}"))
         }
     };
-    if auth.is_some() {
-        let reply = read_resp(&mut reader).map_err(read_failed)?;
-        if reply.is_error() {
-            return Err(HarnessError::new(format!(
-                "{}: AUTH refused: {}",
-                what(),
-                reply.to_text()
-            )));
-        }
+    let deadline = Instant::now() + timeout;
+    let mut settings = redis::RedisConnectionInfo::default().set_skip_set_lib_name();
+    if let Some((user, password)) = auth {
+        settings = settings.set_username(user).set_password(password);
     }
-    read_resp(&mut reader).map_err(read_failed)
+    let info = redis::ConnectionAddr::Tcp(Ipv4Addr::LOCALHOST.to_string(), port)
+        .into_connection_info()
+        .map_err(|e| failed("address", e))?
+        .set_redis_settings(settings);
+    let client = redis::Client::open(info).map_err(|e| failed("client", e))?;
+    let mut con = client
+        .get_connection_with_timeout(timeout)
+        .map_err(|e| failed("connect", e))?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(HarnessError::new(format!(
+            "{what}: no reply within {timeout:?}"
+        )));
+    }
+    con.set_write_timeout(Some(left))
+        .and_then(|()| con.set_read_timeout(Some(left)))
+        .map_err(|e| failed("set timeouts", e))?;
+    let mut cmd = redis::cmd(name);
+    for arg in rest {
+        cmd.arg(*arg);
+    }
+    con.req_command(&cmd)
+        .map(Resp::from)
+        .map_err(|e| failed("command", e))
 }
 
-/// A stream whose every read is bounded by one overall deadline.
-struct Deadlined {
-    stream: TcpStream,
-    deadline: Instant,
-}
-
-impl Read for Deadlined {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
+impl From<redis::Value> for Resp {
+    /// RESP2's kinds as they are; an error reply as `CODE detail`; the RESP3-only kinds (the
+    /// harness speaks RESP2, so Redis does not send them) as their nearest RESP2 kind.
+    fn from(value: redis::Value) -> Resp {
+        use redis::Value;
+        match value {
+            Value::Nil => Resp::Nil,
+            Value::Int(i) => Resp::Int(i),
+            Value::BulkString(bytes) => Resp::Bulk(String::from_utf8_lossy(&bytes).into_owned()),
+            Value::Array(items) | Value::Set(items) => {
+                Resp::Array(items.into_iter().map(Resp::from).collect())
+            }
+            Value::SimpleString(s) => Resp::Simple(s),
+            Value::Okay => Resp::Simple("OK".into()),
+            Value::ServerError(e) => Resp::Error(match e.details() {
+                Some(detail) => format!("{} {detail}", e.code()),
+                None => e.code().to_owned(),
+            }),
+            Value::Map(pairs) => Resp::Array(
+                pairs
+                    .into_iter()
+                    .flat_map(|(k, v)| [Resp::from(k), Resp::from(v)])
+                    .collect(),
+            ),
+            Value::Attribute { data, .. } => Resp::from(*data),
+            Value::Double(d) => Resp::Bulk(d.to_string()),
+            Value::Boolean(b) => Resp::Int(i64::from(b)),
+            Value::VerbatimString { text, .. } => Resp::Bulk(text),
+            other => Resp::Bulk(format!("{other:?}")),
         }
-        self.stream.set_read_timeout(Some(left))?;
-        self.stream.read(buf)
-    }
-}
-
-fn read_resp(r: &mut impl BufRead) -> std::io::Result<Resp> {
-    let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
-    let mut line = Vec::new();
-    r.read_until(b'\n', &mut line)?;
-    if line.is_empty() {
-        return Err(std::io::ErrorKind::UnexpectedEof.into());
-    }
-    let text = String::from_utf8_lossy(&line);
-    let text = text.trim_end_matches(['\r', '\n']);
-    let (kind, rest) = text.split_at(text.len().min(1));
-    let int = |s: &str| {
-        s.parse::<i64>()
-            .map_err(|_| bad(format!("bad RESP integer {s:?}")))
-    };
-    match kind {
-        "+" => Ok(Resp::Simple(rest.to_owned())),
-        "-" => Ok(Resp::Error(rest.to_owned())),
-        ":" => Ok(Resp::Int(int(rest)?)),
-        "$" => {
-            let len = int(rest)?;
-            let Ok(len) = usize::try_from(len) else {
-                return Ok(Resp::Nil);
-            };
-            let mut buf = vec![0u8; len + 2];
-            r.read_exact(&mut buf)?;
-            buf.truncate(len);
-            Ok(Resp::Bulk(String::from_utf8_lossy(&buf).into_owned()))
-        }
-        "*" => {
-            let n = int(rest)?;
-            let Ok(n) = usize::try_from(n) else {
-                return Ok(Resp::Nil);
-            };
-            (0..n)
-                .map(|_| read_resp(r))
-                .collect::<std::io::Result<Vec<_>>>()
-                .map(Resp::Array)
-        }
-        other => Err(bad(format!("unexpected RESP type {other:?} in {text:?}"))),
     }
 }
 
@@ -1119,16 +1092,36 @@ mod tests {
     }
 
     #[test]
-    fn parses_resp() {
-        let mut r: &[u8] = b"*3\r\n+OK\r\n:42\r\n$-1\r\n";
+    fn converts_replies() {
+        use redis::Value;
+        let array = Value::Array(vec![
+            Value::Okay,
+            Value::Int(42),
+            Value::Nil,
+            Value::BulkString(b"he\r\no".to_vec()),
+            Value::SimpleString("PONG".into()),
+        ]);
         assert_eq!(
-            read_resp(&mut r).unwrap(),
-            Resp::Array(vec![Resp::Simple("OK".into()), Resp::Int(42), Resp::Nil])
+            Resp::from(array),
+            Resp::Array(vec![
+                Resp::Simple("OK".into()),
+                Resp::Int(42),
+                Resp::Nil,
+                Resp::Bulk("he\r\no".into()),
+                Resp::Simple("PONG".into()),
+            ])
         );
-        let mut r: &[u8] = b"$5\r\nhe\r\no\r\n";
-        assert_eq!(read_resp(&mut r).unwrap(), Resp::Bulk("he\r\no".into()));
-        let mut r: &[u8] = b"-ERR nope\r\n";
-        assert_eq!(read_resp(&mut r).unwrap().to_text(), "(error) ERR nope");
+        let mut parser = redis::Parser::new();
+        let error = parser.parse_value(&b"-ERR nope\r\n"[..]).unwrap();
+        assert_eq!(Resp::from(error).to_text(), "(error) ERR nope");
+        let error = parser.parse_value(&b"-NOPERM no\r\n"[..]).unwrap();
+        assert!(Resp::from(error).is_error());
+    }
+
+    #[test]
+    fn refuses_an_empty_command() {
+        let e = command(1, &[], Duration::from_millis(10)).unwrap_err();
+        assert!(e.to_string().contains("no command"), "{e}");
     }
 
     #[test]

@@ -5,8 +5,12 @@
 //! the test's runtime is doing (blocking admin calls, `current_thread` tests) and it is shut
 //! down deterministically on `Drop`. [`Upstream::with_handler`] turns it into a scriptable
 //! fake (e.g. a limiter that answers 503 or too slowly).
+//!
+//! That server skeleton ([`HttpServer`]: bind, accept loop, shutdown) is also the one under
+//! [`crate::metered::MeteredUpstream`].
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::{Ipv4Addr, TcpListener as StdTcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -17,7 +21,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::sync::oneshot;
 
 use crate::process;
@@ -88,17 +92,14 @@ struct State {
 
 /// A running upstream; stops on `Drop`.
 pub struct Upstream {
-    port: u16,
+    server: HttpServer,
     state: Arc<State>,
-    shutdown: Option<oneshot::Sender<()>>,
-    done: mpsc::Receiver<()>,
-    thread: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Upstream")
-            .field("port", &self.port)
+            .field("port", &self.port())
             .field("requests", &self.requests())
             .finish()
     }
@@ -118,44 +119,18 @@ impl Upstream {
     pub fn with_handler(
         handler: impl Fn(&RecordedRequest) -> MockResponse + Send + Sync + 'static,
     ) -> Upstream {
-        let listener = StdTcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .unwrap_or_else(|e| panic!("upstream: cannot bind 127.0.0.1:0: {e}"));
-        let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
-        listener
-            .set_nonblocking(true)
-            .unwrap_or_else(|e| panic!("upstream: set_nonblocking: {e}"));
         let state = Arc::new(State {
             requests: AtomicU64::new(0),
             last: Mutex::new(None),
             handler: Box::new(handler),
         });
-        let (shutdown_tx, shutdown_rx) = oneshot::channel();
-        let (done_tx, done_rx) = mpsc::channel();
-        let thread_state = Arc::clone(&state);
-        let thread = std::thread::Builder::new()
-            .name(format!("e2e-upstream-{port}"))
-            .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("upstream runtime");
-                rt.block_on(serve(listener, thread_state, shutdown_rx));
-                // Dropping the runtime drops in-flight connections.
-                drop(rt);
-                let _ = done_tx.send(());
-            })
-            .expect("spawn upstream thread");
-        Upstream {
-            port,
-            state,
-            shutdown: Some(shutdown_tx),
-            done: done_rx,
-            thread: Some(thread),
-        }
+        let served = Arc::clone(&state);
+        let server = HttpServer::start("upstream", move |req| handle(req, Arc::clone(&served)));
+        Upstream { server, state }
     }
 
     pub fn port(&self) -> u16 {
-        self.port
+        self.server.port()
     }
 
     /// Requests answered (or being answered) so far.
@@ -187,7 +162,67 @@ impl Upstream {
     }
 }
 
-impl Drop for Upstream {
+/// An HTTP server on 127.0.0.1:0 that answers every request with a handler, on a thread of
+/// its own with its own current-thread tokio runtime (HTTP/1.1 and h2c prior knowledge on one
+/// port, so it can also stand in for the limiter, which Envoy reaches over h2c). Stopped on
+/// `Drop`: the accept loop ends, the runtime and with it every connection is dropped, and the
+/// thread is joined (bounded).
+pub(crate) struct HttpServer {
+    name: &'static str,
+    port: u16,
+    shutdown: Option<oneshot::Sender<()>>,
+    done: mpsc::Receiver<()>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl HttpServer {
+    /// Bind and serve with `handler`; `name` labels the thread and the messages. Panics if it
+    /// cannot bind or start its thread.
+    pub(crate) fn start<H, F, B>(name: &'static str, handler: H) -> HttpServer
+    where
+        H: Fn(hyper::Request<Incoming>) -> F + Send + Sync + 'static,
+        F: Future<Output = Result<hyper::Response<B>, Infallible>> + Send + 'static,
+        B: hyper::body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let listener = StdTcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .unwrap_or_else(|e| panic!("{name}: cannot bind 127.0.0.1:0: {e}"));
+        let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
+        listener
+            .set_nonblocking(true)
+            .unwrap_or_else(|e| panic!("{name}: set_nonblocking: {e}"));
+        let (shutdown_tx, shutdown_rx) = oneshot::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+        let handler = Arc::new(handler);
+        let thread = std::thread::Builder::new()
+            .name(format!("e2e-{}-{port}", name.replace(' ', "-")))
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap_or_else(|e| panic!("{name} runtime: {e}"));
+                rt.block_on(serve(name, listener, handler, shutdown_rx));
+                // Dropping the runtime drops the connections and their answers in flight.
+                drop(rt);
+                let _ = done_tx.send(());
+            })
+            .unwrap_or_else(|e| panic!("spawn {name} thread: {e}"));
+        HttpServer {
+            name,
+            port,
+            shutdown: Some(shutdown_tx),
+            done: done_rx,
+            thread: Some(thread),
+        }
+    }
+
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl Drop for HttpServer {
     fn drop(&mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
@@ -197,16 +232,30 @@ impl Drop for Upstream {
                 let _ = t.join();
             }
         } else {
-            eprintln!("e2e: upstream on port {} did not stop within 5s", self.port);
+            eprintln!(
+                "e2e: {} on port {} did not stop within 5s",
+                self.name, self.port
+            );
         }
     }
 }
 
-async fn serve(listener: StdTcpListener, state: Arc<State>, mut shutdown: oneshot::Receiver<()>) {
+async fn serve<H, F, B>(
+    name: &str,
+    listener: StdTcpListener,
+    handler: Arc<H>,
+    mut shutdown: oneshot::Receiver<()>,
+) where
+    H: Fn(hyper::Request<Incoming>) -> F + Send + Sync + 'static,
+    F: Future<Output = Result<hyper::Response<B>, Infallible>> + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let listener = match tokio::net::TcpListener::from_std(listener) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("e2e: upstream: {e}");
+            eprintln!("e2e: {name}: {e}");
             return;
         }
     };
@@ -216,16 +265,12 @@ async fn serve(listener: StdTcpListener, state: Arc<State>, mut shutdown: onesho
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
                 let _ = stream.set_nodelay(true);
-                let state = Arc::clone(&state);
+                let handler = Arc::clone(&handler);
                 tokio::spawn(async move {
-                    let svc = service_fn(move |req| handle(req, Arc::clone(&state)));
-                    // HTTP/1.1 and h2c (prior knowledge) on one port, so it can also stand in
-                    // for the limiter, which Envoy reaches over h2c.
-                    let _ = hyper_util::server::conn::auto::Builder::new(
-                        hyper_util::rt::TokioExecutor::new(),
-                    )
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
+                    let svc = service_fn(move |req| (*handler)(req));
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
                 });
             }
         }

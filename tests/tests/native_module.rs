@@ -150,14 +150,6 @@ fn jwt_claim_conditions_are_refused_by_the_native_build_naming_the_field() {
     );
 }
 
-extern "C" {
-    fn dlopen(filename: *const c_char, flags: i32) -> *mut c_void;
-    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
-    fn dlerror() -> *const c_char;
-}
-
-const RTLD_LAZY: i32 = 1;
-
 /// Run by [`a_host_without_the_callbacks_is_refused_at_start`] in a child process: this test
 /// binary is a host that exports none of Envoy's callbacks.
 #[test]
@@ -170,16 +162,23 @@ fn host_without_callbacks_probe() {
             .into_owned(),
     )
     .unwrap();
-    // SAFETY: plain libc calls; the module's init takes no argument and returns a C string.
-    unsafe {
-        let handle = dlopen(path.as_ptr(), RTLD_LAZY);
-        assert!(!handle.is_null(), "dlopen: {:?}", CStr::from_ptr(dlerror()));
-        let init = dlsym(handle, c"envoy_dynamic_module_on_program_init".as_ptr());
-        assert!(!init.is_null());
-        let init: extern "C" fn() -> *const c_char = std::mem::transmute(init);
-        let version = init();
-        println!("init returned null: {}", version.is_null());
+    // SAFETY: `path` is a NUL-terminated file name; loading the module runs no code of ours
+    // but its initialisers, which touch nothing of this process.
+    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY) };
+    if handle.is_null() {
+        // SAFETY: right after a failed dlopen, dlerror returns a NUL-terminated message.
+        let why = unsafe { CStr::from_ptr(libc::dlerror()) };
+        panic!("dlopen: {why:?}");
     }
+    // SAFETY: `handle` is the live handle dlopen returned; the name is NUL-terminated.
+    let init = unsafe { libc::dlsym(handle, c"envoy_dynamic_module_on_program_init".as_ptr()) };
+    assert!(!init.is_null());
+    // SAFETY: abi.h declares `envoy_dynamic_module_on_program_init` as a C function of no
+    // arguments returning a C string, which is what the module exports under that name.
+    let init =
+        unsafe { std::mem::transmute::<*mut c_void, extern "C" fn() -> *const c_char>(init) };
+    let version = init();
+    println!("init returned null: {}", version.is_null());
 }
 
 #[test]

@@ -4,6 +4,8 @@
 //! argument (milliseconds), storage is the caller's business. That keeps the rules testable
 //! natively and on `wasm32-wasip1` alike.
 
+#![forbid(unsafe_code)]
+
 pub mod assign;
 pub mod bucket;
 pub mod calendar;

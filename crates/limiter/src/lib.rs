@@ -17,6 +17,8 @@
 //! Lints: unlike the rest of the workspace, indexing and `expect` are allowed here for
 //! invariants stated where they are used (`Cargo.toml` says why); `unwrap` stays denied.
 
+#![forbid(unsafe_code)]
+
 pub mod check;
 mod clock;
 pub mod config;

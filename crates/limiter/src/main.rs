@@ -2,6 +2,8 @@
 //! SIGINT, then drain and exit; or `check-policies FILE...` to validate policy documents, or
 //! `import-ratelimit CONFIG.yaml...` to convert envoyproxy/ratelimit configurations.
 
+#![forbid(unsafe_code)]
+
 use clap::Parser;
 use tollgate_limiter::config::{init_logging, Cli, Command};
 use tollgate_limiter::{check, import, serve};

@@ -6,8 +6,8 @@
 //! Each descriptor of a request resolves to one rule ([`config`]: ratelimit's matching rules)
 //! and is counted with `hits_addend` as its cost (a descriptor's own, else the request's; 0
 //! counts 1, as ratelimit) in a fixed window of the rule's unit aligned to the epoch, by the
-//! store's atomic lease call on the store's clock (the Redis Function `tollgate_v4_lease`, a
-//! `fixed_window` item whose `min` and `want` are the cost): a descriptor is OK when its cost
+//! store's atomic count call on the store's clock ([`Store::count`]; the Redis Function
+//! `tollgate_v4_count`, which writes no lease record): a descriptor is OK when its cost
 //! fits the window, OVER_LIMIT otherwise (and then nothing is taken: unlike ratelimit, a
 //! refused hit does not count). Descriptors whose buckets share a hash tag (domain and first
 //! entry, `store::rls_key`) are decided in one call, all or nothing; the others are charged
@@ -22,7 +22,6 @@
 
 pub mod config;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,16 +37,13 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use futures_util::future::join_all;
 use prometheus::{IntCounterVec, Opts, Registry};
-use tollgate_core::bucket::Limits;
 use tollgate_core::key::hash_tag;
-use tollgate_core::policy::Algorithm;
-use tollgate_core::window::Window;
 
 use crate::import::input::Unit;
 use crate::metrics::Metrics;
 use crate::policies::Current;
 use crate::service::LogThrottle;
-use crate::store::{rls_key, LeaseItem, LeaseOutcome, Store, StoreError, RLS_POLICY};
+use crate::store::{rls_key, CountItem, CountOutcome, Store, StoreError};
 use config::{Rate, Resolved, RlsConfig};
 
 /// Limits on one request; each violation is `INVALID_ARGUMENT`.
@@ -203,9 +199,6 @@ pub struct RlsService<S> {
     store_metrics: Metrics,
     store_log: LogThrottle,
     settings: RlsSettings,
-    /// Lease ids: `rls-<instance>-<n>`, unique per item.
-    instance: String,
-    next_id: AtomicU64,
 }
 
 impl<S> std::fmt::Debug for RlsService<S> {
@@ -221,10 +214,10 @@ fn invalid(message: String) -> tonic::Status {
 }
 
 /// The request's descriptors as `(key, value)` lists, checked against `bounds`.
-fn checked_descriptors(
-    request: &RateLimitRequest,
+fn checked_descriptors<'r>(
+    request: &'r RateLimitRequest,
     bounds: &Bounds,
-) -> Result<Vec<Vec<(String, String)>>, tonic::Status> {
+) -> Result<Vec<Vec<(&'r str, &'r str)>>, tonic::Status> {
     if request.domain.is_empty() {
         return Err(invalid("domain: empty".into()));
     }
@@ -269,7 +262,7 @@ fn checked_descriptors(
                     )));
                 }
             }
-            entries.push((e.key.clone(), e.value.clone()));
+            entries.push((e.key.as_str(), e.value.as_str()));
         }
         out.push(entries);
     }
@@ -314,7 +307,7 @@ fn unit_to_pb(unit: Unit) -> PbUnit {
 fn plan(
     config: &RlsConfig,
     request: &RateLimitRequest,
-    descriptors: &[Vec<(String, String)>],
+    descriptors: &[Vec<(&str, &str)>],
 ) -> Result<Vec<Plan>, tonic::Status> {
     let resolved = config.resolve(&request.domain, descriptors);
     let mut plans = Vec::with_capacity(resolved.len());
@@ -326,10 +319,6 @@ fn plan(
             plans.push(Plan::Free(outcome::NOT_COUNTED));
             continue;
         }
-        let entries: Vec<(&str, &str)> = descriptors[index]
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect();
         // A limit the request itself carries (Envoy's `limit` override) wins, as in ratelimit
         // (which looks the domain up first: an unknown domain limits nothing).
         if let Some(limit) = d
@@ -347,7 +336,7 @@ fn plan(
                 },
                 name: None,
                 shadow: false,
-                key: rls_key(&request.domain, &entries),
+                key: rls_key(&request.domain, &descriptors[index]),
                 cost,
             }));
             continue;
@@ -405,9 +394,6 @@ impl<S: Store> RlsService<S> {
         store_metrics: Metrics,
         settings: RlsSettings,
     ) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
         Self {
             store,
             config,
@@ -415,8 +401,6 @@ impl<S: Store> RlsService<S> {
             store_metrics,
             store_log: LogThrottle::default(),
             settings,
-            instance: format!("{:x}{:x}", std::process::id(), nanos),
-            next_id: AtomicU64::new(0),
         }
     }
 
@@ -426,56 +410,46 @@ impl<S: Store> RlsService<S> {
         RateLimitServiceServer::new(self).max_decoding_message_size(max)
     }
 
-    fn item(&self, c: &Counted) -> Option<LeaseItem> {
-        let window = Window::new(u64::from(c.rate.requests_per_unit), c.rate.window_ms())?;
-        // Unused by a window, but every item carries a valid bucket.
-        let limits = Limits::new(window.limit, window.window_ms, window.limit)?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        Some(LeaseItem {
-            id: format!("rls-{}-{id}", self.instance),
-            policy: RLS_POLICY.to_string(),
-            key: c.key.clone(),
-            limits,
-            algorithm: Algorithm::FixedWindow(window),
-            min: c.cost,
-            want: c.cost,
-            holder: None,
-            demand_per_ms: 0.0,
-        })
-    }
-
     /// Decides one group in one store call.
     async fn decide(&self, members: &[&Counted]) -> Result<Vec<Decided>, StoreError> {
         // A rate of 0, or a cost above the limit, never fits: no store call for it, and it
         // holds its group back (all or nothing) without taking anything.
         let mut items = Vec::with_capacity(members.len());
         for c in members {
-            match self.item(c) {
-                Some(item) if c.cost <= u64::from(c.rate.requests_per_unit) => items.push(item),
-                _ => {
-                    let now = now_ms();
-                    return Ok(members
-                        .iter()
-                        .map(|c| Decided {
-                            admitted: false,
-                            remaining: 0,
-                            reset_ms: reset_ms(c.rate, now),
-                        })
-                        .collect());
-                }
+            let limit = u64::from(c.rate.requests_per_unit);
+            if limit == 0 || c.cost > limit {
+                let now = now_ms();
+                return Ok(members
+                    .iter()
+                    .map(|c| Decided {
+                        admitted: false,
+                        remaining: 0,
+                        reset_ms: reset_ms(c.rate, now),
+                    })
+                    .collect());
             }
+            items.push(CountItem {
+                key: c.key.clone(),
+                limit,
+                window_ms: c.rate.window_ms(),
+                cost: c.cost,
+            });
         }
         let node = items
             .first()
             .map(|item| self.store.node_for(&item.key))
             .unwrap_or_default();
         let started = std::time::Instant::now();
-        let call = self.store.lease(&items);
+        let call = self.store.count(&items);
         let result = match tokio::time::timeout(self.settings.store_timeout, call).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(self.settings.store_timeout)),
         };
-        let LeaseOutcome { now_ms, grants } = match result {
+        let CountOutcome {
+            now_ms,
+            admitted,
+            remaining,
+        } = match result {
             Ok(outcome) => {
                 self.store_metrics
                     .store_call(&node, "rls", started.elapsed());
@@ -486,19 +460,19 @@ impl<S: Store> RlsService<S> {
                 return Err(e);
             }
         };
-        if grants.len() != members.len() {
+        if remaining.len() != members.len() {
             return Err(StoreError::Protocol(format!(
                 "{} answers for {} items",
-                grants.len(),
+                remaining.len(),
                 members.len()
             )));
         }
-        Ok(grants
+        Ok(remaining
             .iter()
             .zip(members)
-            .map(|(g, c)| Decided {
-                admitted: g.granted > 0,
-                remaining: g.remaining.max(0.0).floor() as u64,
+            .map(|(&remaining, c)| Decided {
+                admitted,
+                remaining,
                 reset_ms: reset_ms(c.rate, now_ms),
             })
             .collect())

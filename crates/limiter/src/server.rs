@@ -420,15 +420,7 @@ fn regional_store(
 
 /// Builds the configured store (Redis stores connect in the background).
 fn build_store(config: &ServerConfig) -> Result<AnyStore, StartError> {
-    build_store_with(config, config.store_settings())
-}
-
-/// [`build_store`] with these settings (the RateLimitService's store keeps its records for a
-/// shorter time).
-fn build_store_with(
-    config: &ServerConfig,
-    settings: StoreSettings,
-) -> Result<AnyStore, StartError> {
+    let settings = config.store_settings();
     Ok(match &config.store {
         StoreConfig::Memory => AnyStore::Memory(MemoryStore::new(settings)),
         StoreConfig::Redis(url) => {
@@ -613,7 +605,10 @@ async fn serve_with_store<S: Store>(
 
 /// Loads the RateLimitService's configuration (refusing to start on an invalid one), builds
 /// its store and its reload task, and binds its listener. The store is the configured one
-/// with lease records kept [`RLS_RECORD_TTL_MS`]: the service never replays a lease id.
+/// (`--redis`, `--redis-cluster` or memory), built apart from the lease listener's: that one
+/// may be a regional store (`region`) counting through a parent, while the service counts
+/// in the configured store itself (`Store::count`: no lease records, so no settings of its
+/// own).
 async fn start_rls(
     config: &ServerConfig,
     rls: &RlsServerConfig,
@@ -628,9 +623,7 @@ async fn start_rls(
         domains = loaded.domains().count(), "RateLimitService configuration loaded");
     let handle = Arc::new(policies::Current::new(loaded));
     let rls_metrics = crate::rls::RlsMetrics::new(metrics.registry())?;
-    let mut settings = config.store_settings();
-    settings.dedup_ttl_ms = RLS_RECORD_TTL_MS;
-    let store = Arc::new(build_store_with(config, settings)?);
+    let store = Arc::new(build_store(config)?);
     tasks.push(tokio::spawn({
         let store = Arc::clone(&store);
         async move {
@@ -701,10 +694,6 @@ async fn start_rls(
     let (listener, addr) = bind(rls.listen).await?;
     Ok((listener, addr, app))
 }
-
-/// How long the RateLimitService's lease records are kept (the Redis Function writes one per
-/// item; the service never repeats a lease id, so they only cost memory).
-pub const RLS_RECORD_TTL_MS: u64 = 1_000;
 
 async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError> {
     let bind_error = |source| StartError::Bind { addr, source };

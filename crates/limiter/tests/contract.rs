@@ -25,20 +25,36 @@ use tollgate_core::assign::{self, Allotment, MAX_HOLDERS};
 use tollgate_core::policy::Algorithm;
 use tollgate_core::window::{self, CounterKind, Counters, Log, Window, WindowGrant};
 use tollgate_limiter::store::{
-    bucket_ttl_ms, Grant, LeaseItem, MemoryStore, RedisClusterStore, RedisSecurity, RedisStore,
-    ReturnItem, Store, StoreError,
+    bucket_ttl_ms, fixed_count_key, rls_key, CountItem, CountOutcome, Grant, LeaseItem,
+    MemoryStore, RedisClusterStore, RedisSecurity, RedisStore, ReturnItem, Store, StoreError,
+    WINDOW_TTL_MARGIN_MS,
 };
 
 /// Reads a store's bucket behind its back: the memory store's own view, or the hash and
 /// PTTL of the Redis node that holds it.
 trait Peek {
     fn peek(&self, bucket_key: &str) -> Option<Peeked>;
+
+    /// A window count of `Store::count` (its count key) and the ms until it expires.
+    fn peek_count(&self, count_key: &str) -> Option<(u64, u64)>;
 }
 
 impl Peek for MemoryStore {
     fn peek(&self, bucket_key: &str) -> Option<Peeked> {
         peek_memory(self, bucket_key, None)
     }
+
+    fn peek_count(&self, count_key: &str) -> Option<(u64, u64)> {
+        self.count_view(count_key)
+    }
+}
+
+/// A count key's value and `PTTL` on the Redis node that holds it.
+fn peek_count_redis(server: &tollgate_e2e::RedisServer, count_key: &str) -> Option<(u64, u64)> {
+    let count = server.cmd(&["GET", count_key]);
+    let count = count.as_str()?.parse::<u64>().expect("a count");
+    let ttl = server.cmd(&["PTTL", count_key]).as_int().expect("PTTL");
+    Some((count, u64::try_from(ttl).expect("an expiry")))
 }
 
 /// The shared server or cluster a store talks to is the one with the store's node among its
@@ -47,11 +63,21 @@ impl Peek for RedisStore {
     fn peek(&self, bucket_key: &str) -> Option<Peeked> {
         peek_redis(redis_serving(&self.node_for("")), bucket_key)
     }
+
+    fn peek_count(&self, count_key: &str) -> Option<(u64, u64)> {
+        peek_count_redis(redis_serving(&self.node_for("")), count_key)
+    }
 }
 
 impl Peek for RedisClusterStore {
     fn peek(&self, bucket_key: &str) -> Option<Peeked> {
         peek_cluster(cluster_serving(&self.node_for("any")), bucket_key)
+    }
+
+    fn peek_count(&self, count_key: &str) -> Option<(u64, u64)> {
+        let cluster = cluster_serving(&self.node_for("any"));
+        let owner = cluster.primary_for_key(count_key);
+        peek_count_redis(cluster.node(owner.port), count_key)
     }
 }
 
@@ -202,6 +228,31 @@ async fn past_the_window(g: &Grant, w: &Window) {
     let left = g.expires_ms.expect("a window's answer");
     assert!(left <= w.window_ms, "{g:?}");
     tokio::time::sleep(Duration::from_millis(left + 3)).await;
+}
+
+const HOUR_MS: u64 = 3_600_000;
+
+fn count_item(key: &str, limit: u64, window_ms: u64, cost: u64) -> CountItem {
+    CountItem {
+        key: key.to_owned(),
+        limit,
+        window_ms,
+        cost,
+    }
+}
+
+async fn count(store: &impl Store, items: &[CountItem]) -> CountOutcome {
+    let outcome = store.count(items).await.expect("store answers");
+    assert_eq!(outcome.remaining.len(), items.len(), "{outcome:?}");
+    outcome
+}
+
+/// Whether every answer was decided in one window of `window_ms` (a case whose calls
+/// straddle a boundary is run again with fresh keys).
+fn in_one_window(outcomes: &[CountOutcome], window_ms: u64) -> bool {
+    outcomes
+        .windows(2)
+        .all(|w| w[0].now_ms / window_ms == w[1].now_ms / window_ms)
 }
 
 /// The contract, one async fn per rule.
@@ -1013,6 +1064,219 @@ mod cases {
         );
     }
 
+    /// `Store::count`: exact admission at the limit with costs above 1; a refused hit takes
+    /// nothing (a smaller one still fits after it) and answers what was left before it.
+    pub async fn count_is_exact_at_the_limit(s: &(impl Store + Peek)) {
+        let (limit, window_ms) = (5, HOUR_MS);
+        for _ in 0..3 {
+            let k = rls_key(&unique("count"), &[("tenant", "t")]);
+            let mut outcomes = Vec::new();
+            for cost in [2, 3, 1, 4] {
+                outcomes.push(count(s, &[count_item(&k, limit, window_ms, cost)]).await);
+            }
+            let other = rls_key(&unique("count"), &[("tenant", "u")]);
+            for cost in [4, 2, 1, 1] {
+                outcomes.push(count(s, &[count_item(&other, limit, window_ms, cost)]).await);
+            }
+            if !in_one_window(&outcomes, window_ms) {
+                continue;
+            }
+            let answers: Vec<(bool, Vec<u64>)> = outcomes
+                .iter()
+                .map(|o| (o.admitted, o.remaining.clone()))
+                .collect();
+            assert_eq!(
+                answers,
+                [
+                    (true, vec![3]),
+                    (true, vec![0]),
+                    (false, vec![0]),
+                    (false, vec![0]),
+                    (true, vec![1]),
+                    (false, vec![1]),
+                    (true, vec![0]),
+                    (false, vec![0]),
+                ]
+            );
+            // The counts as stored: the limit exactly, expiring with the window (plus the
+            // margin), on the store's clock.
+            let last = outcomes.last().expect("outcomes");
+            let index = last.now_ms / window_ms;
+            let ends = (index + 1) * window_ms;
+            for key in [&k, &other] {
+                let count_key =
+                    fixed_count_key(&count_item(key, limit, window_ms, 1).window_key(), index);
+                let (stored, ttl) = s.peek_count(&count_key).expect("a stored count");
+                assert_eq!(stored, limit, "{count_key}");
+                let expected = ends - last.now_ms + WINDOW_TTL_MARGIN_MS;
+                assert!(
+                    ttl <= expected && ttl + 2_000 >= expected,
+                    "{count_key}: {ttl} ms, not {expected}"
+                );
+            }
+            return;
+        }
+        panic!("three attempts crossed a window boundary");
+    }
+
+    /// `Store::count` decides a same-tag group all or nothing: one item over its limit holds
+    /// back every other, which keeps what it had; items of one window add up in order.
+    pub async fn count_groups_are_all_or_nothing(s: &impl Store) {
+        let window_ms = HOUR_MS;
+        for _ in 0..3 {
+            let domain = unique("count-group");
+            let tenant = rls_key(&domain, &[("tenant", "t")]);
+            let path = rls_key(&domain, &[("tenant", "t"), ("path", "/a")]);
+            let other = rls_key(&domain, &[("tenant", "t"), ("path", "/b")]);
+            let pair = [
+                count_item(&tenant, 3, window_ms, 1),
+                count_item(&path, 1, window_ms, 1),
+            ];
+            let outcomes = vec![
+                count(s, &pair).await,
+                // The path's window is full: the pair is refused, the tenant's untouched.
+                count(s, &pair).await,
+                count(s, &[count_item(&tenant, 3, window_ms, 2)]).await,
+                count(s, &[count_item(&tenant, 3, window_ms, 1)]).await,
+                // Two items of one window: 2 + 2 > 3 refuses both, 1 + 2 fits.
+                count(
+                    s,
+                    &[
+                        count_item(&other, 3, window_ms, 2),
+                        count_item(&other, 3, window_ms, 2),
+                    ],
+                )
+                .await,
+                count(
+                    s,
+                    &[
+                        count_item(&other, 3, window_ms, 1),
+                        count_item(&other, 3, window_ms, 2),
+                    ],
+                )
+                .await,
+            ];
+            if !in_one_window(&outcomes, window_ms) {
+                continue;
+            }
+            let answers: Vec<(bool, Vec<u64>)> = outcomes
+                .iter()
+                .map(|o| (o.admitted, o.remaining.clone()))
+                .collect();
+            assert_eq!(
+                answers,
+                [
+                    (true, vec![2, 0]),
+                    (false, vec![2, 0]),
+                    (true, vec![0]),
+                    (false, vec![0]),
+                    (false, vec![3, 3]),
+                    (true, vec![2, 0]),
+                ]
+            );
+            return;
+        }
+        panic!("three attempts crossed a window boundary");
+    }
+
+    /// `Store::count`'s windows follow the store's clock: a full window admits again once
+    /// the next one starts, with its whole limit, and windows are aligned to the epoch.
+    pub async fn count_windows_reset_on_the_store_clock(s: &impl Store) {
+        let window_ms = 1_000;
+        for _ in 0..3 {
+            let k = rls_key(&unique("count-reset"), &[("tenant", "t")]);
+            let item = |cost| count_item(&k, 2, window_ms, cost);
+            let full = count(s, &[item(2)]).await;
+            let refused = count(s, &[item(1)]).await;
+            if !in_one_window(&[full.clone(), refused.clone()], window_ms) {
+                continue;
+            }
+            assert_eq!((full.admitted, full.remaining.as_slice()), (true, &[0][..]));
+            assert_eq!(
+                (refused.admitted, refused.remaining.as_slice()),
+                (false, &[0][..])
+            );
+            // Past the end of the window on the store's clock (the same host's clock).
+            let ends = (refused.now_ms / window_ms + 1) * window_ms;
+            tokio::time::sleep(Duration::from_millis(ends - refused.now_ms + 3)).await;
+            let next = count(s, &[item(2)]).await;
+            assert!(next.now_ms >= ends, "{next:?}, the window ended at {ends}");
+            assert_eq!((next.admitted, next.remaining.as_slice()), (true, &[0][..]));
+            return;
+        }
+        panic!("three attempts crossed a window boundary");
+    }
+
+    /// Every store answers `Store::count` as a plain model of epoch-aligned windows fed the
+    /// store's clock: a random sequence of groups over three keys of one tag, windows of
+    /// 200 ms so the sequence crosses several, costs 1 to 3, limits 3 to 5. The memory store
+    /// and the Redis Function are held to the same model, so to each other.
+    pub async fn count_agrees_with_the_model(s: &impl Store) {
+        use std::collections::HashMap;
+        let window_ms = 200;
+        let domain = unique("count-model");
+        let keys: Vec<String> = ["a", "b", "c"]
+            .iter()
+            .map(|p| rls_key(&domain, &[("tenant", "t"), ("p", p)]))
+            .collect();
+        let mut model: HashMap<(usize, u64), u64> = HashMap::new();
+        let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for step in 0..150 {
+            let len = 1 + next(3) as usize;
+            // (key, its limit: one per key, as a rule gives it, cost)
+            let picks: Vec<(usize, u64, u64)> = (0..len)
+                .map(|_| {
+                    let key = next(3) as usize;
+                    (key, 3 + key as u64, 1 + next(3))
+                })
+                .collect();
+            let items: Vec<CountItem> = picks
+                .iter()
+                .map(|&(key, limit, cost)| count_item(&keys[key], limit, window_ms, cost))
+                .collect();
+            let o = count(s, &items).await;
+            let index = o.now_ms / window_ms;
+            let mut after: HashMap<usize, u64> = HashMap::new();
+            let mut fits = true;
+            let mut remaining = Vec::new();
+            for &(key, limit, cost) in &picks {
+                let c = after
+                    .entry(key)
+                    .or_insert_with(|| model.get(&(key, index)).copied().unwrap_or(0));
+                *c += cost;
+                fits &= *c <= limit;
+                remaining.push(limit.saturating_sub(*c));
+            }
+            if fits {
+                for (key, c) in after {
+                    model.insert((key, index), c);
+                }
+            } else {
+                remaining = picks
+                    .iter()
+                    .map(|&(key, limit, _)| {
+                        limit.saturating_sub(model.get(&(key, index)).copied().unwrap_or(0))
+                    })
+                    .collect();
+            }
+            assert_eq!(
+                (o.admitted, o.remaining.clone()),
+                (fits, remaining),
+                "step {step}: {picks:?} at {}",
+                o.now_ms
+            );
+            if step % 10 == 9 {
+                tokio::time::sleep(Duration::from_millis(37)).await;
+            }
+        }
+    }
+
     /// The RateLimitService's items (`tollgate_limiter::rls`): fixed windows under the
     /// reserved policy, keyed by domain and descriptor entries (`store::rls_key`), `min` =
     /// `want` = the hit's cost. Descriptors sharing their first entry share a hash tag, so one
@@ -1218,6 +1482,26 @@ macro_rules! contract {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn rls_descriptors_share_a_window_by_hash_tag() {
                 cases::rls_descriptors_share_a_window_by_hash_tag(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn count_is_exact_at_the_limit() {
+                cases::count_is_exact_at_the_limit(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn count_groups_are_all_or_nothing() {
+                cases::count_groups_are_all_or_nothing(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn count_windows_reset_on_the_store_clock() {
+                cases::count_windows_reset_on_the_store_clock(&store().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn count_agrees_with_the_model() {
+                cases::count_agrees_with_the_model(&store().await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -180,12 +180,6 @@ fn with_settled(body: &str, settled: &str) -> String {
     format!(r#"{open},"settled":{settled}}}"#)
 }
 
-/// The value of the sample `series` (name and labels, as rendered) in a Prometheus text.
-fn sample(text: &str, series: &str) -> Option<u64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-}
-
 /// Units settled, piggybacked on lease and return batches, are summed per policy the
 /// document defines (local ones too); other names go to `(unknown)`, never to a label of
 /// their own. A retried lease batch (every item a replay) is not counted twice; a batch
@@ -280,7 +274,7 @@ async fn settled_units_are_counted_per_known_policy() {
 
     let (_, text) = get(addr, "/metrics").await;
     let settled = |policy: &str| {
-        sample(
+        sample::<u64>(
             &text,
             &format!(r#"tollgate_limiter_units_settled_total{{policy="{policy}"}}"#),
         )
@@ -333,7 +327,7 @@ async fn settled_units_are_not_counted_without_an_answer() {
     assert_eq!(v["leases"][0]["error"], "UNAVAILABLE");
     let (_, text) = get(addr, "/metrics").await;
     assert_eq!(
-        sample(
+        sample::<u64>(
             &text,
             r#"tollgate_limiter_units_settled_total{policy="tenant"}"#
         ),

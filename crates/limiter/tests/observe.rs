@@ -108,12 +108,6 @@ fn check_report(body: &str, hot_hash: &str, secret: &str) -> Value {
     p
 }
 
-/// `name{labels} value` of one series in a Prometheus text exposition.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-}
-
 /// Scrapes `/metrics` until `ready` holds (bounded), naming what it waited for.
 async fn metrics_until(addr: SocketAddr, what: &str, ready: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + WAIT_LIMIT;
@@ -135,7 +129,7 @@ async fn metrics_until(addr: SocketAddr, what: &str, ready: impl Fn(&str) -> boo
 fn check_metrics(text: &str, secret: &str) {
     assert!(!text.contains(secret), "a tenant id in /metrics:\n{text}");
     let distinct = (COLD + 1) as f64;
-    let gauge = sample(
+    let gauge = sample::<f64>(
         text,
         &format!(r#"tollgate_limiter_active_keys{{policy="{POLICY}"}}"#),
     )
@@ -145,13 +139,13 @@ fn check_metrics(text: &str, secret: &str) {
         (gauge - distinct).abs() <= distinct * 0.06,
         "{gauge} active keys for {distinct}"
     );
-    let count = sample(
+    let count = sample::<f64>(
         text,
         &format!(r#"tollgate_limiter_remaining_ratio_count{{policy="{POLICY}"}}"#),
     );
     assert_eq!(count, Some((HOT_CALLS + COLD) as f64), "{text}");
     // Every bucket of `thousand` stays above 60 % full (the hot one gives 400 of 1,000).
-    let below = sample(
+    let below = sample::<f64>(
         text,
         &format!(r#"tollgate_limiter_remaining_ratio_bucket{{policy="{POLICY}",le="0.5"}}"#),
     );
@@ -193,10 +187,13 @@ async fn the_hot_tenant_tops_the_report_memory() {
     let calls = r#"tollgate_limiter_store_exec_calls_total{node="memory"}"#;
     let usec = r#"tollgate_limiter_store_exec_microseconds_total{node="memory"}"#;
     let text = metrics_until(limiter.addr(), "memory execution sample", |t| {
-        sample(t, calls).is_some_and(|c| c > 0.0)
+        sample::<f64>(t, calls).is_some_and(|c| c > 0.0)
     })
     .await;
-    assert!(sample(&text, usec).is_some_and(|u| u > 0.0), "{text}");
+    assert!(
+        sample::<f64>(&text, usec).is_some_and(|u| u > 0.0),
+        "{text}"
+    );
     assert!(
         text.contains(
             r#"tollgate_limiter_http_responses_total{endpoint="hot_keys",status="200"} 2"#
@@ -249,7 +246,10 @@ async fn the_hot_tenant_tops_the_report_and_is_logged_redis() {
     let calls = format!(r#"tollgate_limiter_store_exec_calls_total{{node="{node}"}}"#);
     let usec = format!(r#"tollgate_limiter_store_exec_microseconds_total{{node="{node}"}}"#);
     // The baseline sample (the series at 0) comes first.
-    metrics_until(addr, "execution baseline", |t| sample(t, &calls).is_some()).await;
+    metrics_until(addr, "execution baseline", |t| {
+        sample::<f64>(t, &calls).is_some()
+    })
+    .await;
 
     let secret = unique("observed");
     let hot = format!("{secret}-hot");
@@ -265,15 +265,15 @@ async fn the_hot_tenant_tops_the_report_and_is_logged_redis() {
     check_metrics(&text, &secret);
     // Redis ran at least the 700 FCALLs; each took a few microseconds at least.
     let text = metrics_until(admin, "FCALL execution counters", |t| {
-        sample(t, &calls).is_some_and(|c| c >= (HOT_CALLS + COLD) as f64)
+        sample::<f64>(t, &calls).is_some_and(|c| c >= (HOT_CALLS + COLD) as f64)
     })
     .await;
     let (c, u) = (
-        sample(&text, &calls).unwrap(),
-        sample(&text, &usec).unwrap(),
+        sample::<f64>(&text, &calls).unwrap(),
+        sample::<f64>(&text, &usec).unwrap(),
     );
     let round_trip = |part: &str| {
-        sample(
+        sample::<f64>(
             &text,
             &format!(
                 r#"tollgate_limiter_store_call_duration_seconds_{part}{{node="{node}",op="lease"}}"#

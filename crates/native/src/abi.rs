@@ -59,11 +59,15 @@ impl EnvoyBuffer {
         length: 0,
     };
 
-    /// The bytes (empty for a null buffer).
+    /// The bytes (empty for a null buffer), borrowed from this value: an `EnvoyBuffer` is a
+    /// hook's argument, or a local the hook had Envoy fill, so the bytes cannot be kept past
+    /// the hook through the borrow.
     ///
     /// # Safety
-    /// `ptr` must point to `length` readable bytes for the returned lifetime.
-    pub unsafe fn bytes<'a>(&self) -> &'a [u8] {
+    /// `ptr` must point to `length` readable bytes that Envoy leaves in place while the
+    /// returned slice is used: a buffer Envoy handed over in the running hook, read before the
+    /// hook returns.
+    pub unsafe fn bytes(&self) -> &[u8] {
         if self.ptr.is_null() || self.length == 0 {
             &[]
         } else {

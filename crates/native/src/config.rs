@@ -8,10 +8,11 @@
 //! then run on its worker thread again). A small ticker thread wakes the main thread while
 //! something waits (deadlines, shaped turns, polls). Lock order: `worker`, then `parked`.
 
-use crate::abi::{self, ConfigEnvoyPtr, ConfigSchedulerPtr, FilterSchedulerPtr, ModuleBuffer};
+use crate::abi::{self, ConfigEnvoyPtr, ModuleBuffer};
 use crate::shared::ProcessSharedData;
 use crate::stats;
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread::JoinHandle;
@@ -56,15 +57,35 @@ fn process_cells(groups: u32) -> Arc<Cells> {
 /// Worker numbers of this process (each configuration's worker has its own lease ids).
 static NEXT_WORKER: AtomicU64 = AtomicU64::new(1);
 
-/// An Envoy pointer that Envoy lets any thread use (schedulers), or that only the thread
-/// owning the hook uses.
+/// A scheduler of Envoy's: a request's (`..._http_filter_scheduler_new`, committed by the
+/// main thread when the worker settles the request) or the configuration's
+/// (`..._http_filter_config_scheduler_new`, committed by workers and the ticker thread).
 #[derive(Clone, Copy)]
-pub struct Shared<T>(pub T);
-// SAFETY: Envoy's schedulers may be committed from any thread (abi.h); the configuration
-// pointer is used only by hooks of that configuration.
-unsafe impl<T> Send for Shared<T> {}
-// SAFETY: as above.
-unsafe impl<T> Sync for Shared<T> {}
+pub struct Scheduler(pub *mut c_void);
+// SAFETY: a scheduler is the one per-request or per-configuration object of the ABI that any
+// thread may use: `..._scheduler_commit` only posts the event to the dispatcher of the thread
+// that owns the request or the configuration, which then runs the `..._scheduled` hook there.
+// Deleting it is ours to order after the last commit: a request's is deleted once its slot
+// in `parked` is gone (under that lock), the configuration's once the ticker is joined and
+// every filter of the configuration is gone (`NativeConfig::shutdown`).
+unsafe impl Send for Scheduler {}
+// SAFETY: as above; `commit` is the only call made through a shared reference.
+unsafe impl Sync for Scheduler {}
+
+/// The configuration's Envoy pointer, valid from `config_new` until `config_destroy` (after
+/// every filter of the configuration is destroyed). [`NativeConfig`] is shared by the filters
+/// of every worker thread, so it crosses threads inside it.
+#[derive(Clone, Copy)]
+pub struct ConfigHandle(pub ConfigEnvoyPtr);
+// SAFETY: used on two kinds of threads only, as Envoy allows: on the main thread, in the
+// configuration's own hooks (`config_new`, `config_scheduled`, `config_http_callout_done`), for
+// its scheduler, callouts and stat definitions; and on workers, only as the handle of the
+// configuration's stats (`stats::enter`; incrementing and recording go to Envoy's thread-safe
+// stats store).
+unsafe impl Send for ConfigHandle {}
+// SAFETY: as above: the workers' calls at the same time are the stats callbacks, which Envoy
+// makes safe to call from any worker (its stats are atomic).
+unsafe impl Sync for ConfigHandle {}
 
 /// What the worker decided for a request that waits or sleeps; its own hook acts on it.
 pub enum Outcome {
@@ -75,17 +96,17 @@ pub enum Outcome {
 
 /// A request the worker holds, reachable from the main thread.
 pub struct Parked {
-    pub scheduler: Shared<FilterSchedulerPtr>,
+    pub scheduler: Scheduler,
     pub outcome: Option<Outcome>,
 }
 
 pub struct NativeConfig {
-    pub envoy: Shared<ConfigEnvoyPtr>,
+    pub envoy: ConfigHandle,
     pub engine: Engine,
     pub metrics: Metrics,
     worker: Mutex<Worker>,
     pub parked: Mutex<HashMap<u32, Parked>>,
-    scheduler: Shared<ConfigSchedulerPtr>,
+    scheduler: Scheduler,
     flush_pending: AtomicBool,
     ticker: Ticker,
     cluster: String,
@@ -189,9 +210,9 @@ impl NativeConfig {
         if scheduler.is_null() {
             return Err("Envoy gave no scheduler for the configuration".into());
         }
-        let scheduler = Shared(scheduler);
+        let scheduler = Scheduler(scheduler);
         Ok(Arc::new(NativeConfig {
-            envoy: Shared(envoy),
+            envoy: ConfigHandle(envoy),
             engine,
             metrics,
             worker: Mutex::new(worker),
@@ -355,12 +376,12 @@ struct Ticker {
     period_ms: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     pending: Arc<AtomicBool>,
-    scheduler: Shared<ConfigSchedulerPtr>,
+    scheduler: Scheduler,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Ticker {
-    fn new(scheduler: Shared<ConfigSchedulerPtr>) -> Self {
+    fn new(scheduler: Scheduler) -> Self {
         Self {
             period_ms: Arc::new(AtomicU64::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
@@ -445,23 +466,18 @@ pub unsafe fn callout_answer(
         // SAFETY: Envoy passes `headers_size` headers.
         let headers = unsafe { std::slice::from_raw_parts(headers, headers_size) };
         for header in headers {
-            // SAFETY: Envoy's buffers, valid during the hook.
-            let key = unsafe {
-                abi::EnvoyBuffer {
-                    ptr: header.key_ptr,
-                    length: header.key_length,
-                }
-                .bytes()
+            let key = abi::EnvoyBuffer {
+                ptr: header.key_ptr,
+                length: header.key_length,
             };
-            if key == b":status" {
-                // SAFETY: as above.
-                let value = unsafe {
-                    abi::EnvoyBuffer {
-                        ptr: header.value_ptr,
-                        length: header.value_length,
-                    }
-                    .bytes()
+            // SAFETY: Envoy's buffers, valid during the hook.
+            if unsafe { key.bytes() } == b":status" {
+                let value = abi::EnvoyBuffer {
+                    ptr: header.value_ptr,
+                    length: header.value_length,
                 };
+                // SAFETY: as above.
+                let value = unsafe { value.bytes() };
                 status = std::str::from_utf8(value).ok().and_then(|v| v.parse().ok());
             }
         }

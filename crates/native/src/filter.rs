@@ -2,7 +2,7 @@
 //! dynamic-module callbacks. Hooks run on the request's worker thread.
 
 use crate::abi::{self, EnvoyBuffer, EnvoyHttpHeader, FilterEnvoyPtr, ModuleBuffer};
-use crate::config::{lock, now_ms, MainHost, NativeConfig, Outcome, Parked, Shared};
+use crate::config::{lock, now_ms, MainHost, NativeConfig, Outcome, Parked, Scheduler};
 use crate::shared::ProcessSharedData;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -232,7 +232,7 @@ impl<'a> Instance for View<'a> {
                 };
                 if !scheduler.is_null() {
                     entry.insert(Parked {
-                        scheduler: Shared(scheduler),
+                        scheduler: Scheduler(scheduler),
                         outcome: None,
                     });
                 }
@@ -320,8 +320,10 @@ impl Request {
             headers.iter().find_map(|h| {
                 // SAFETY: Envoy's buffers, valid during the hook this `Request` lives in.
                 let key = unsafe { raw_bytes(h.key_ptr, h.key_length) };
-                key.eq_ignore_ascii_case(name.as_bytes())
-                    .then(|| unsafe { raw_bytes(h.value_ptr, h.value_length) })
+                key.eq_ignore_ascii_case(name.as_bytes()).then(|| {
+                    // SAFETY: as for the key.
+                    unsafe { raw_bytes(h.value_ptr, h.value_length) }
+                })
             })
         };
         f(found)

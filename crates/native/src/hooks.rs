@@ -200,13 +200,30 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
     })
 }
 
-/// The filter behind a module pointer.
+/// The filter behind a module pointer, borrowed mutably for the running hook.
+///
+/// That borrow is unique because of how Envoy 1.40 drives a dynamic-module filter
+/// (`DynamicModuleHttpFilter`), which every caller relies on:
+/// - one thread: all hooks of a filter run on the worker thread that owns its stream,
+///   `scheduled` included (a commit posts the event to that worker's dispatcher); the main
+///   thread and the ticker never touch a filter, only its scheduler (`config::Scheduler`);
+/// - lifetime: the pointer is ours from `filter_new` until `filter_destroy`, the last hook
+///   Envoy calls with it (a scheduled event that arrives later is dropped by Envoy, which
+///   checks that the filter is still alive before calling `scheduled`);
+/// - no hook inside a hook of the same filter, for the calls the module makes: after
+///   `send_response` Envoy runs none of this filter's encode hooks for the local reply (it
+///   skips them once the filter sent one), and the `local_reply` hook it does call inline
+///   ignores the filter pointer. Not covered: `continue_decoding` runs the rest of the filter
+///   chain inline, so a filter after this one (the router) that answers at once sends its
+///   reply through this filter's response hooks within that call; the `scheduled` hook calls
+///   it while it holds the filter.
 ///
 /// # Safety
-/// `ptr` must come from `filter_new` and not be destroyed yet; only its own hooks (one
-/// thread) use it.
+/// `ptr` must come from `filter_new` and not be destroyed yet, and the caller must be one of
+/// the filter's hooks, on Envoy's thread for it, under the rules above.
 unsafe fn filter_mut<'a>(ptr: *const c_void) -> Option<&'a mut NativeFilter> {
-    // SAFETY: the caller's guarantee.
+    // SAFETY: the caller's guarantee: a live `Box<NativeFilter>` from `filter_new`, borrowed by
+    // no other hook while this one runs.
     unsafe { ptr.cast::<NativeFilter>().cast_mut().as_mut() }
 }
 

@@ -5,6 +5,10 @@
 //! `abi` declares the Envoy callbacks used, `hooks` exports the event hooks Envoy calls (none
 //! lets a panic cross into Envoy), `config` holds one filter configuration and its worker,
 //! `filter` one request, `shared` the process-wide table, `stats` the metrics, `log` the log.
+//!
+//! Every `unsafe` block says why it is sound (`// SAFETY:`), which clippy checks.
+
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod abi;
 mod config;

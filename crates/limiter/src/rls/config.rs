@@ -61,8 +61,8 @@ impl Rate {
 /// One level of a domain's tree.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct Level {
-    /// `(key, value)` → node.
-    exact: HashMap<(String, String), Node>,
+    /// key → value → node (nested, so a request's entry is looked up without copying it).
+    exact: HashMap<String, HashMap<String, Node>>,
     /// Wildcard values in file order: key, the pattern split on `*`, the pattern, node.
     wildcards: Vec<Wildcard>,
     /// Key without value → node.
@@ -168,7 +168,11 @@ fn build_level(descriptors: &[Descriptor]) -> Level {
                 node,
             }),
             Some(value) => {
-                level.exact.insert((d.key.clone(), value.clone()), node);
+                level
+                    .exact
+                    .entry(d.key.clone())
+                    .or_default()
+                    .insert(value.clone(), node);
             }
         }
     }
@@ -230,22 +234,24 @@ impl RlsConfig {
 
     /// The rule of one descriptor (`None`: no rule at its depth, or an unknown domain), with
     /// the entries its bucket is counted under.
-    pub fn lookup<'a>(
+    pub fn lookup<'a, K: AsRef<str>, V: AsRef<str>>(
         &'a self,
         domain: &str,
-        entries: &'a [(String, String)],
+        entries: &'a [(K, V)],
     ) -> Option<(&'a Rule, Vec<(&'a str, &'a str)>)> {
         let mut level = self.domains.get(domain)?;
         let mut counted: Vec<(&'a str, &'a str)> = Vec::with_capacity(entries.len());
         let last = entries.len().checked_sub(1)?;
         for (i, (key, value)) in entries.iter().enumerate() {
-            let mut count_as: &'a str = value;
-            let node = match level.exact.get(&(key.clone(), value.clone())) {
+            let (key, value): (&'a str, &'a str) = (key.as_ref(), value.as_ref());
+            let mut count_as = value;
+            let exact = level.exact.get(key).and_then(|values| values.get(value));
+            let node = match exact {
                 Some(node) => node,
                 None => match level
                     .wildcards
                     .iter()
-                    .find(|w| &w.key == key && wildcard_match(&w.parts, value))
+                    .find(|w| w.key == key && wildcard_match(&w.parts, value))
                 {
                     Some(w) => {
                         if w.node.share_threshold {
@@ -266,10 +272,10 @@ impl RlsConfig {
     }
 
     /// Resolves every descriptor of one request, `replaces` applied across them.
-    pub fn resolve<'a>(
+    pub fn resolve<'a, K: AsRef<str>, V: AsRef<str>>(
         &'a self,
         domain: &str,
-        descriptors: &'a [Vec<(String, String)>],
+        descriptors: &'a [Vec<(K, V)>],
     ) -> Vec<Resolved<'a>> {
         let found: Vec<_> = descriptors
             .iter()
@@ -474,7 +480,7 @@ descriptors:
         // Unknown key, unknown domain, no entries.
         assert_eq!(rate(&c, &[("nope", "a")]), None);
         assert!(c.lookup("other", &d(&[("tenant", "a")])).is_none());
-        assert!(c.lookup("edge", &[]).is_none());
+        assert!(c.lookup::<&str, &str>("edge", &[]).is_none());
     }
 
     #[test]

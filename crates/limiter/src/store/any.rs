@@ -2,8 +2,8 @@
 //! server can hold without generics or boxing.
 
 use super::{
-    ExecStats, LeaseItem, LeaseOutcome, MemoryStore, RedisClusterStore, RedisStore, ReturnItem,
-    ReturnOutcome, Store, StoreError,
+    CountItem, CountOutcome, ExecStats, LeaseItem, LeaseOutcome, MemoryStore, RedisClusterStore,
+    RedisStore, ReturnItem, ReturnOutcome, Store, StoreError,
 };
 
 /// One of the three stores.
@@ -20,6 +20,14 @@ impl Store for AnyStore {
             AnyStore::Memory(s) => s.lease(items).await,
             AnyStore::Redis(s) => s.lease(items).await,
             AnyStore::Cluster(s) => s.lease(items).await,
+        }
+    }
+
+    async fn count(&self, items: &[CountItem]) -> Result<CountOutcome, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.count(items).await,
+            AnyStore::Redis(s) => s.count(items).await,
+            AnyStore::Cluster(s) => s.count(items).await,
         }
     }
 

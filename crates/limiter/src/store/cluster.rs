@@ -42,7 +42,8 @@ use super::script::{self, Reloader};
 use super::security::{redact_url, Attempt, RedisSecurity, Refusals};
 use super::watchdog::{Watchdog, RECONNECT_AFTER};
 use super::{
-    ExecStats, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings,
+    CountItem, CountOutcome, ExecStats, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store,
+    StoreError, StoreSettings,
 };
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -453,6 +454,18 @@ impl Store for RedisClusterStore {
             .guarded(&self.node_of(key), self.call(key, &cmd))
             .await?;
         script::parse_lease_reply(&reply, items.len())
+    }
+
+    async fn count(&self, items: &[CountItem]) -> Result<CountOutcome, StoreError> {
+        let key = items
+            .first()
+            .map(|item| item.key.as_str())
+            .unwrap_or_default();
+        let cmd = script::count_cmd(items);
+        let reply = self
+            .guarded(&self.node_of(key), self.call(key, &cmd))
+            .await?;
+        script::parse_count_reply(&reply, items.len())
     }
 
     async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {

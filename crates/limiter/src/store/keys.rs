@@ -138,6 +138,18 @@ pub fn rls_key(domain: &str, entries: &[(&str, &str)]) -> String {
     }
 }
 
+/// Redis key of the fixed window of `window_ms` an RLS bucket (wire key `key`, [`rls_key`])
+/// is counted in: [`state_key`] of a fixed window under [`RLS_POLICY`], built in one step
+/// (the RateLimitService builds one per counted descriptor). `tollgate.lua`'s
+/// `tollgate_v4_count` keeps each window's count under it plus [`FIXED_COUNT_SUFFIX`] and the
+/// window's index, like a fixed window's lease.
+pub fn rls_window_key(key: &str, window_ms: u64) -> String {
+    format!(
+        "{PREFIX}:{{{}}}:{RLS_POLICY}:{key}|fixed:{window_ms}",
+        hash_tag(key)
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -230,6 +242,14 @@ mod tests {
         validate_key(&k).unwrap();
         assert!(k.len() < 200, "{}", k.len());
         assert_eq!(bucket_key(RLS_POLICY, &k).matches('{').count(), 1);
+        // The window a count runs in is a fixed window's lease state, in the same slot.
+        for window_ms in [1_000, 60_000, 31_536_000_000] {
+            let window = Window::new(3, window_ms).unwrap();
+            assert_eq!(
+                rls_window_key(&k, window_ms),
+                state_key(&Algorithm::FixedWindow(window), RLS_POLICY, &k)
+            );
+        }
     }
 
     #[test]

@@ -21,8 +21,9 @@ use tollgate_core::policy::Algorithm;
 use tollgate_core::window::{self, CounterKind, Counters, Log, Window, WindowGrant};
 
 use super::{
-    bucket_ttl_ms, window_ttl_ms, ExecStats, Grant, LeaseItem, LeaseOutcome, ReturnItem,
-    ReturnOutcome, Store, StoreError, StoreSettings,
+    bucket_ttl_ms, keys, window_ttl_ms, CountItem, CountOutcome, ExecStats, Grant, LeaseItem,
+    LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings,
+    WINDOW_TTL_MARGIN_MS,
 };
 use crate::clock::{Clock, MonotonicClock};
 
@@ -145,6 +146,7 @@ enum Kind {
     Bucket,
     Lease,
     Window,
+    Count,
 }
 
 #[derive(Debug, Default)]
@@ -152,6 +154,8 @@ struct Inner {
     buckets: HashMap<String, Entry<Bucket>>,
     leases: HashMap<String, Entry<LeaseRecord>>,
     windows: HashMap<String, Entry<WindowState>>,
+    /// [`Store::count`]'s window counts, under their Redis count keys.
+    counts: HashMap<String, Entry<u64>>,
     expiries: BinaryHeap<Reverse<(u64, Kind, String)>>,
 }
 
@@ -220,6 +224,22 @@ impl Inner {
         }
     }
 
+    /// A window count if it has not expired.
+    fn count(&self, key: &str, now: u64) -> Option<u64> {
+        self.counts
+            .get(key)
+            .filter(|e| e.expires_at >= now)
+            .map(|e| e.value)
+    }
+
+    fn put_count(&mut self, key: &str, value: u64, expires_at: u64) {
+        let push = put(&mut self.counts, key, value, expires_at);
+        if push {
+            self.expiries
+                .push(Reverse((expires_at, Kind::Count, key.to_owned())));
+        }
+    }
+
     /// Removes at most [`SWEEP_BATCH`] expired entries.
     fn sweep(&mut self, now: u64) {
         for _ in 0..SWEEP_BATCH {
@@ -234,6 +254,7 @@ impl Inner {
                 Kind::Bucket => sweep_one(&mut self.buckets, &key, at, now),
                 Kind::Lease => sweep_one(&mut self.leases, &key, at, now),
                 Kind::Window => sweep_one(&mut self.windows, &key, at, now),
+                Kind::Count => sweep_one(&mut self.counts, &key, at, now),
             };
             if let Some(next) = requeue {
                 self.expiries.push(Reverse((next, kind, key)));
@@ -242,7 +263,7 @@ impl Inner {
     }
 
     fn len(&self) -> usize {
-        self.buckets.len() + self.leases.len() + self.windows.len()
+        self.buckets.len() + self.leases.len() + self.windows.len() + self.counts.len()
     }
 }
 
@@ -639,6 +660,86 @@ impl MemoryStore {
         Some((state, expires_at.saturating_sub(now)))
     }
 
+    /// The decision the Redis Function `tollgate_v4_count` makes, line by line.
+    pub fn count_at(&self, items: &[CountItem], now: u64) -> Result<CountOutcome, StoreError> {
+        if items.is_empty() {
+            return Err(StoreError::Server("tollgate_v4_count: no items".into()));
+        }
+        if let Some(bad) = items.iter().find(|i| i.window_ms == 0 || i.cost == 0) {
+            return Err(StoreError::Server(format!(
+                "tollgate_v4_count: bad item {bad:?}"
+            )));
+        }
+        let count_keys: Vec<String> = items
+            .iter()
+            .map(|i| keys::fixed_count_key(&i.window_key(), now / i.window_ms))
+            .collect();
+        let mut inner = self.lock();
+        inner.sweep(now);
+        // Per distinct count key, first use first: its count before the call, and after the
+        // items decided so far.
+        let mut seen: Vec<(&str, u64, u64)> = Vec::new();
+        let mut admitted = true;
+        let mut remaining = Vec::with_capacity(items.len());
+        for (item, key) in items.iter().zip(&count_keys) {
+            let at = match seen.iter().position(|(k, _, _)| *k == key.as_str()) {
+                Some(at) => at,
+                None => {
+                    let before = inner.count(key, now).unwrap_or(0);
+                    seen.push((key, before, before));
+                    seen.len() - 1
+                }
+            };
+            let Some(entry) = seen.get_mut(at) else {
+                return Err(StoreError::Protocol("memory store lost a count".into()));
+            };
+            entry.2 = entry.2.saturating_add(item.cost);
+            if entry.2 > item.limit {
+                admitted = false;
+            }
+            remaining.push(item.limit.saturating_sub(entry.2));
+        }
+        if admitted {
+            for (item, key) in items.iter().zip(&count_keys) {
+                let stored = inner.counts.get(key).filter(|e| e.expires_at >= now);
+                let (count, expires_at) = match stored {
+                    Some(e) => (e.value.saturating_add(item.cost), e.expires_at),
+                    // A new count lives until its window's end plus the margin.
+                    None => {
+                        let ends = (now / item.window_ms + 1).saturating_mul(item.window_ms);
+                        (item.cost, ends.saturating_add(WINDOW_TTL_MARGIN_MS))
+                    }
+                };
+                inner.put_count(key, count, expires_at);
+            }
+        } else {
+            remaining.clear();
+            for (item, key) in items.iter().zip(&count_keys) {
+                let before = seen
+                    .iter()
+                    .find(|(k, _, _)| *k == key.as_str())
+                    .map_or(0, |(_, before, _)| *before);
+                remaining.push(item.limit.saturating_sub(before));
+            }
+        }
+        Ok(CountOutcome {
+            now_ms: now,
+            admitted,
+            remaining,
+        })
+    }
+
+    /// A window count of [`Store::count`] (`count_key`: `store::fixed_count_key` of the
+    /// item's window key and window index) as of the store's clock, with milliseconds until
+    /// it expires.
+    pub fn count_view(&self, count_key: &str) -> Option<(u64, u64)> {
+        let now = self.clock.now_ms();
+        let inner = self.lock();
+        let count = inner.count(count_key, now)?;
+        let expires_at = inner.counts.get(count_key).map(|e| e.expires_at)?;
+        Some((count, expires_at.saturating_sub(now)))
+    }
+
     /// The decision the Redis Function `tollgate_v4_return` makes, line by line.
     pub fn give_back_at(&self, item: &ReturnItem, now: u64) -> ReturnOutcome {
         let mut inner = self.lock();
@@ -688,6 +789,11 @@ impl Store for MemoryStore {
     async fn lease(&self, items: &[LeaseItem]) -> Result<LeaseOutcome, StoreError> {
         let now = self.clock.now_ms();
         self.exec.timed(|| self.lease_at(items, now))
+    }
+
+    async fn count(&self, items: &[CountItem]) -> Result<CountOutcome, StoreError> {
+        let now = self.clock.now_ms();
+        self.exec.timed(|| self.count_at(items, now))
     }
 
     async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {

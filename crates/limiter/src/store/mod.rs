@@ -38,7 +38,7 @@ mod watchdog;
 
 pub(crate) use any::AnyStore;
 pub use cluster::RedisClusterStore;
-pub use keys::{fixed_count_key, log_seen_key, rls_key, RLS_POLICY};
+pub use keys::{fixed_count_key, log_seen_key, rls_key, rls_window_key, RLS_POLICY};
 pub use memory::{MemoryStore, WindowState};
 pub use security::{RedisSecurity, Secret};
 pub use single::RedisStore;
@@ -242,6 +242,76 @@ pub struct ReturnOutcome {
     pub returned: u64,
 }
 
+/// One hit counted by [`Store::count`]: a fixed window of `window_ms` aligned to the epoch
+/// (window `n` holds `[n·window_ms, (n+1)·window_ms)` of the store's clock) under the
+/// RateLimitService's reserved policy ([`RLS_POLICY`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CountItem {
+    /// The bucket's wire key ([`rls_key`]).
+    pub key: String,
+    /// Units a window holds.
+    pub limit: u64,
+    /// `> 0`.
+    pub window_ms: u64,
+    /// Units the hit takes, `≥ 1`.
+    pub cost: u64,
+}
+
+impl CountItem {
+    /// The Redis key of the window the item is counted in ([`rls_window_key`]).
+    pub fn window_key(&self) -> String {
+        keys::rls_window_key(&self.key, self.window_ms)
+    }
+
+    /// The same hit as a `fixed_window` lease item (`min = want = cost`), for stores without
+    /// a count operation of their own.
+    fn as_lease(&self, id: String) -> Result<LeaseItem, StoreError> {
+        let bad = || StoreError::Config(format!("count item out of range: {self:?}"));
+        let window =
+            tollgate_core::window::Window::new(self.limit, self.window_ms).ok_or_else(bad)?;
+        let limits = Limits::new(self.limit, self.window_ms, self.limit).ok_or_else(bad)?;
+        Ok(LeaseItem {
+            id,
+            policy: RLS_POLICY.to_string(),
+            key: self.key.clone(),
+            limits,
+            algorithm: Algorithm::FixedWindow(window),
+            min: self.cost,
+            want: self.cost,
+            holder: None,
+            demand_per_ms: 0.0,
+        })
+    }
+}
+
+/// The answer to one [`Store::count`] call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CountOutcome {
+    /// The store's clock when it decided.
+    pub now_ms: u64,
+    /// Every item was counted (`true`) or none was.
+    pub admitted: bool,
+    /// Per item, in order: units left in its window after it (admitted), or before the call
+    /// (refused); `0` when the window is over its limit.
+    pub remaining: Vec<u64>,
+}
+
+/// Lease ids of [`Store::count`]'s fallback through [`Store::lease`]: `count-<instance>-<n>`,
+/// unique per process and item.
+fn fallback_lease_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static INSTANCE: OnceLock<String> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let instance = INSTANCE.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{:x}{nanos:x}", std::process::id())
+    });
+    format!("count-{instance}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
 /// How long the store's own decision code has run, cumulative per node: Redis' `INFO
 /// commandstats` for `FCALL` (the Function's execution on the server, without the network),
 /// or the memory store's in-process decision time.
@@ -342,6 +412,47 @@ pub trait Store: Send + Sync + 'static {
         &self,
         items: &[LeaseItem],
     ) -> impl Future<Output = Result<LeaseOutcome, StoreError>> + Send;
+
+    /// Counts one hit per item in its fixed window on the store's clock, all or nothing (all
+    /// keys sharing one hash tag): when every item's window count plus its cost (plus the
+    /// costs of the call's earlier items in the same window) is within its limit, every count
+    /// grows by its cost; otherwise nothing changes. A window's count lives until the end of
+    /// its window plus [`WINDOW_TTL_MARGIN_MS`]. No lease record is written: a count is never
+    /// replayed nor given back. Its windows are those of a `fixed_window` lease item of the
+    /// same key and length ([`CountItem::window_key`]).
+    ///
+    /// The default runs the items as `fixed_window` lease items (`min = want = cost`), which
+    /// decides the same but writes a lease record per item; the memory and Redis stores have
+    /// a dedicated operation (Redis: the Function `tollgate_v4_count`).
+    fn count(
+        &self,
+        items: &[CountItem],
+    ) -> impl Future<Output = Result<CountOutcome, StoreError>> + Send {
+        let leased: Result<Vec<LeaseItem>, StoreError> = items
+            .iter()
+            .map(|item| item.as_lease(fallback_lease_id()))
+            .collect();
+        async move {
+            let leased = leased?;
+            let outcome = self.lease(&leased).await?;
+            if outcome.grants.len() != leased.len() {
+                return Err(StoreError::Protocol(format!(
+                    "{} answers for {} items",
+                    outcome.grants.len(),
+                    leased.len()
+                )));
+            }
+            Ok(CountOutcome {
+                now_ms: outcome.now_ms,
+                admitted: outcome.grants.iter().all(|g| g.granted > 0),
+                remaining: outcome
+                    .grants
+                    .iter()
+                    .map(|g| g.remaining.max(0.0).floor() as u64)
+                    .collect(),
+            })
+        }
+    }
 
     /// Gives back `min(unused, taken − returned so far)` of lease `item.id` (`taken`: its
     /// grant plus the whole tokens of its assignment, `Allotment::taken`), added to the

@@ -9,7 +9,8 @@ use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 use tollgate_core::policy::Algorithm;
 
 use super::{
-    ExecStats, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, StoreError, StoreSettings,
+    CountItem, CountOutcome, ExecStats, Grant, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome,
+    StoreError, StoreSettings,
 };
 
 /// The library source (`FUNCTION LOAD REPLACE`).
@@ -19,6 +20,7 @@ pub const LIBRARY_NAME: &str = "tollgate_v4";
 pub const LEASE_FN: &str = "tollgate_v4_lease";
 pub const RETURN_FN: &str = "tollgate_v4_return";
 pub const PING_FN: &str = "tollgate_v4_ping";
+pub const COUNT_FN: &str = "tollgate_v4_count";
 
 /// The algorithm as the library names it (the policy document's name).
 fn algorithm_arg(algorithm: &Algorithm) -> &'static str {
@@ -59,6 +61,20 @@ pub fn lease_cmd(items: &[LeaseItem], settings: &StoreSettings) -> Cmd {
                     .window()
                     .map_or_else(|| "0".to_string(), super::keys::window_grid),
             );
+    }
+    cmd
+}
+
+/// `FCALL tollgate_v4_count` for one unit: each item's window key, then its limit, window
+/// length and cost.
+pub fn count_cmd(items: &[CountItem]) -> Cmd {
+    let mut cmd = redis::cmd("FCALL");
+    cmd.arg(COUNT_FN).arg(items.len());
+    for item in items {
+        cmd.arg(item.window_key());
+    }
+    for item in items {
+        cmd.arg(item.limit).arg(item.window_ms).arg(item.cost);
     }
     cmd
 }
@@ -180,6 +196,35 @@ pub fn parse_lease_reply(value: &Value, n: usize) -> Result<LeaseOutcome, StoreE
         });
     }
     Ok(LeaseOutcome { now_ms, grants })
+}
+
+/// Decodes `{ now_ms, admitted (1|0), remaining × n }`.
+pub fn parse_count_reply(value: &Value, n: usize) -> Result<CountOutcome, StoreError> {
+    let Value::Array(items) = value else {
+        return Err(protocol("count reply is not an array", value));
+    };
+    let [now_ms, admitted, remaining @ ..] = items.as_slice() else {
+        return Err(protocol("count reply is too short", value));
+    };
+    if remaining.len() != n {
+        return Err(protocol(
+            &format!("count reply has {} counts for {n} items", remaining.len()),
+            value,
+        ));
+    }
+    let admitted = match int(admitted, "count reply: admitted")? {
+        0 => false,
+        1 => true,
+        _ => return Err(protocol("count reply: admitted", value)),
+    };
+    Ok(CountOutcome {
+        now_ms: int(now_ms, "count reply: now_ms")?,
+        admitted,
+        remaining: remaining
+            .iter()
+            .map(|r| int(r, "count reply: remaining"))
+            .collect::<Result<_, _>>()?,
+    })
 }
 
 /// Decodes `{ now_ms, returned }`.
@@ -487,11 +532,64 @@ mod tests {
             format!("#!lua name={LIBRARY_NAME}\n"),
             format!("redis.register_function('{LEASE_FN}', lease_fn)"),
             format!("redis.register_function('{RETURN_FN}', return_fn)"),
+            format!("redis.register_function('{COUNT_FN}', count_fn)"),
             format!("function_name = '{PING_FN}',"),
             format!("return '{LIBRARY_NAME}'"),
         ] {
             assert!(LIBRARY.contains(&line), "tollgate.lua lacks {line:?}");
         }
+    }
+
+    #[test]
+    fn count_command_layout_and_reply() {
+        let item = |key: &str, limit, window_ms, cost| CountItem {
+            key: key.into(),
+            limit,
+            window_ms,
+            cost,
+        };
+        let cmd = count_cmd(&[item("t", 5, 1_000, 2), item("t:p", 1, 60_000, 1)]);
+        let args: Vec<String> = cmd
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
+                _ => "<other>".into(),
+            })
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "FCALL",
+                "tollgate_v4_count",
+                "2",
+                "tollgate:{t}:~rls:t|fixed:1000",
+                "tollgate:{t}:~rls:t:p|fixed:60000",
+                "5",
+                "1000",
+                "2",
+                "1",
+                "60000",
+                "1"
+            ]
+        );
+        let reply = |v: Vec<i64>| Value::Array(v.into_iter().map(Value::Int).collect());
+        assert_eq!(
+            parse_count_reply(&reply(vec![1_700_000_000_000, 1, 3, 0]), 2).unwrap(),
+            CountOutcome {
+                now_ms: 1_700_000_000_000,
+                admitted: true,
+                remaining: vec![3, 0]
+            }
+        );
+        assert!(
+            !parse_count_reply(&reply(vec![7, 0, 1]), 1)
+                .unwrap()
+                .admitted
+        );
+        assert!(parse_count_reply(&reply(vec![7, 1, 1]), 2).is_err());
+        assert!(parse_count_reply(&reply(vec![7, 2, 1]), 1).is_err());
+        assert!(parse_count_reply(&reply(vec![7, 1, -1]), 1).is_err());
+        assert!(parse_count_reply(&Value::Nil, 1).is_err());
     }
 
     #[test]

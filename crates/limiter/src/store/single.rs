@@ -34,7 +34,8 @@ use super::script::{self, Reloader};
 use super::security::{self, Attempt, RedisSecurity, Refusals};
 use super::watchdog::{Watchdog, RECONNECT_AFTER};
 use super::{
-    ExecStats, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store, StoreError, StoreSettings,
+    CountItem, CountOutcome, ExecStats, LeaseItem, LeaseOutcome, ReturnItem, ReturnOutcome, Store,
+    StoreError, StoreSettings,
 };
 
 /// How long one connection attempt may take (calls themselves are bounded by the service's
@@ -246,6 +247,12 @@ impl Store for RedisStore {
         let cmd = script::lease_cmd(items, &self.settings);
         let reply = self.guarded(self.call(&cmd)).await?;
         script::parse_lease_reply(&reply, items.len())
+    }
+
+    async fn count(&self, items: &[CountItem]) -> Result<CountOutcome, StoreError> {
+        let cmd = script::count_cmd(items);
+        let reply = self.guarded(self.call(&cmd)).await?;
+        script::parse_count_reply(&reply, items.len())
     }
 
     async fn give_back(&self, item: &ReturnItem) -> Result<ReturnOutcome, StoreError> {

@@ -722,11 +722,9 @@ end
 --             now it may be spent, 0 once it ended: a fixed or sliding window's at the end of
 --             its window, a sliding log's at the end of the window-grid slot it was granted
 --             in, when its units were entered in the log; -1 for a bucket's) }.
---   The limiter's RateLimitService (Envoy's gRPC rate-limit protocol, `rls.rs`) calls this
---   too: one 'fixed_window' item per counted descriptor (KEYS: `store::keys::rls_key` under
---   the reserved policy `~rls`, its lease record), min = want = the hit's cost, window = the
---   unit's length in ms (epoch-aligned, as envoyproxy/ratelimit counts), the items of one
---   hash tag in one call; granted > 0 is OK, 0 is OVER_LIMIT.
+--   The limiter's RateLimitService (Envoy's gRPC rate-limit protocol, `rls.rs`) counts with
+--   tollgate_v4_count instead (no lease records), in the same count keys as a 'fixed_window'
+--   item of its window's state key.
 local function lease_fn(keys, args)
   local n = #keys / 2
   if n < 1 or n ~= math.floor(n) or #args ~= 3 + 8 * n then
@@ -886,6 +884,84 @@ local function lease_fn(keys, args)
   return reply
 end
 
+-- tollgate_v4_count: count N hits in fixed windows aligned to the epoch, all or nothing, with
+-- no lease record (the limiter's RateLimitService, `rls.rs`: nothing is ever replayed or
+-- given back, so it needs none).
+--   KEYS  1 per item i: KEYS[i] = the window's state key (`store::keys::rls_window_key`, all
+--         in one slot). The count of the window that holds now (this server's `TIME`) is
+--         kept under KEYS[i] .. ':w' .. index, index = floor(now / window_ms): the count key
+--         of a 'fixed_window' lease item of the same state key (so a limiter still leasing
+--         during an upgrade counts in the same keys).
+--   ARGV  3 per item i, from ARGV[3(i-1) + 1]: limit (>= 1), window length in ms (> 0),
+--         cost (>= 1).
+--   If every item's count plus its cost (plus the costs of the call's earlier items of the
+--   same count key) is within its limit, every count is raised by its cost (INCRBY) and a
+--   count the call created expires WINDOW_TTL_MARGIN_MS after its window's end
+--   (PEXPIREAT, this server's clock); otherwise nothing is written at all.
+--   Returns { now_ms, admitted (1|0), then per item: remaining (integer >= 0: the limit less
+--             the count after the item, or for a refused call, less the count before it) }.
+--   Commands: TIME, one MGET, and when admitted one INCRBY per item (plus a PEXPIREAT once
+--   per window and key).
+local function count_fn(keys, args)
+  local n = #keys
+  if n < 1 or #args ~= 3 * n then
+    return redis.error_reply('ERR tollgate_v4_count: bad KEYS/ARGV count')
+  end
+  local now = now_ms()
+  local counts = {}
+  local limits, windows, costs = {}, {}, {}
+  for i = 1, n do
+    local limit, wms, cost = tonumber(args[3 * i - 2]), tonumber(args[3 * i - 1]),
+      tonumber(args[3 * i])
+    if limit == nil or wms == nil or cost == nil or wms < 1 or wms ~= math.floor(wms)
+        or cost < 1 or limit < 0 then
+      return redis.error_reply('ERR tollgate_v4_count: bad item')
+    end
+    limits[i], windows[i], costs[i] = limit, wms, cost
+    counts[i] = keys[i] .. FIXED_COUNT_SUFFIX .. fmt(math.floor(now / wms))
+  end
+  local stored = redis.call('MGET', unpack(counts))
+  -- The count of each count key before the call, and after the items decided so far.
+  local before, after = {}, {}
+  local admitted = true
+  local remaining = {}
+  for i = 1, n do
+    local key = counts[i]
+    if before[key] == nil then
+      before[key] = tonumber(stored[i]) or 0
+      after[key] = before[key]
+    end
+    after[key] = after[key] + costs[i]
+    if after[key] > limits[i] then
+      admitted = false
+    end
+    remaining[i] = limits[i] - after[key]
+  end
+  if admitted then
+    for i = 1, n do
+      local key = counts[i]
+      if redis.call('INCRBY', key, costs[i]) == costs[i] then
+        -- A new count: it lives until its window's end plus the margin
+        -- (`store::window_ttl_ms` of the window's end).
+        local ends = (math.floor(now / windows[i]) + 1) * windows[i]
+        redis.call('PEXPIREAT', key, fmt(window_expires_at(ends, now)))
+      end
+    end
+  else
+    for i = 1, n do
+      remaining[i] = math.max(limits[i] - before[counts[i]], 0)
+    end
+  end
+  local reply = { now, 0 }
+  if admitted then
+    reply[2] = 1
+  end
+  for i = 1, n do
+    reply[2 + i] = remaining[i]
+  end
+  return reply
+end
+
 -- tollgate_v4_return: give back unused tokens of one lease, at most once per token.
 --   KEYS  [1] = bucket key, [2] = lease record key (one slot).
 --   ARGV  [1] = the policy's algorithm (as in tollgate_v4_lease), [2] = capacity,
@@ -930,6 +1006,7 @@ end
 
 redis.register_function('tollgate_v4_lease', lease_fn)
 redis.register_function('tollgate_v4_return', return_fn)
+redis.register_function('tollgate_v4_count', count_fn)
 redis.register_function {
   function_name = 'tollgate_v4_ping',
   callback = ping_fn,

@@ -586,6 +586,14 @@ pub fn return_body(id: &str, policy: &str, key: &str, unused: u64) -> String {
     )
 }
 
+/// The value of the sample `series` (metric name and labels, exactly as rendered) in a
+/// Prometheus text exposition, as a `T` (`u64` for counters, `f64` for gauges and histograms);
+/// `None` when the series is absent or its value is not a `T`.
+pub fn sample<T: std::str::FromStr>(text: &str, series: &str) -> Option<T> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
 /// `granted` of the first lease in an answer (panics on anything else).
 pub fn granted(v: &Value) -> u64 {
     v["leases"][0]["granted"]
