@@ -33,15 +33,15 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::sync::Arc;
-use tollgate_engine::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
-use tollgate_engine::request::{RequestFacts, RequestSource};
-use tollgate_engine::shared::MemorySharedData;
-use tollgate_engine::table::{Cells, SlotTable};
 use tollgate_core::bucket::{give_back, lease, shape, try_take, BucketState, Limits, Shaped};
 use tollgate_core::key::{escape_part, join_parts, local_bucket_id};
 use tollgate_core::policy::Policies;
 use tollgate_core::protocol::LeaseGranted;
 use tollgate_core::window::{self, CounterKind, Counters, Log, Window, MAX_LOG_LIMIT};
+use tollgate_engine::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
+use tollgate_engine::request::{RequestFacts, RequestSource};
+use tollgate_engine::shared::MemorySharedData;
+use tollgate_engine::table::{Cells, SlotTable};
 
 /// The request's headers as the host hands them over: a list searched by name, as Envoy's
 /// header map finds a header that is not one of its inline ones (a hash map here would add

@@ -17,12 +17,12 @@
 
 use serde_json::{json, Value};
 use std::sync::Arc;
+use tollgate_core::policy::Policies;
+use tollgate_core::protocol::LeaseGranted;
 use tollgate_engine::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
 use tollgate_engine::request::{RequestFacts, RequestSource};
 use tollgate_engine::shared::MemorySharedData;
 use tollgate_engine::table::{Cells, SlotTable};
-use tollgate_core::policy::Policies;
-use tollgate_core::protocol::LeaseGranted;
 
 use crate::config::{PolicyDoc, LOG_WINDOW, MAX_LOG_LIMIT, ROUTE};
 

@@ -97,7 +97,14 @@ pub fn wasm_path() -> PathBuf {
     let p = env::var_os("TOLLGATE_WASM")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            cargo_build(&["--profile", "wasm", "--target", "wasm32-wasip1", "-p", "tollgate"]);
+            cargo_build(&[
+                "--profile",
+                "wasm",
+                "--target",
+                "wasm32-wasip1",
+                "-p",
+                "tollgate",
+            ]);
             target_dir()
                 .join("wasm32-wasip1")
                 .join("wasm")

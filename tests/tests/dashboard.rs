@@ -562,7 +562,8 @@ fn labels_after(source: &str, name: &str) -> Option<BTreeSet<String>> {
 fn the_metric_list_matches_the_sources() {
     let filter = std::fs::read_to_string(root().join("crates/engine/src/metrics.rs")).unwrap();
     let limiter = std::fs::read_to_string(root().join("crates/limiter/src/metrics.rs")).unwrap();
-    let region = std::fs::read_to_string(root().join("crates/limiter/src/region/metrics.rs")).unwrap();
+    let region =
+        std::fs::read_to_string(root().join("crates/limiter/src/region/metrics.rs")).unwrap();
     for (name, kind, labels, source) in METRICS {
         let labels: BTreeSet<String> = labels.iter().map(|l| l.to_string()).collect();
         match source {

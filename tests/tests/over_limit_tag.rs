@@ -203,7 +203,9 @@ async fn a_request_that_waited_for_the_limiter_is_tagged_when_resumed(build: Bui
         tollgate_engine::prometheus_value(&text, "tollgate_tagged{policy=\"bulk\"}"),
         4.0
     );
-    assert!(tollgate_engine::prometheus_value(&text, "tollgate_lease_requests{policy=\"bulk\"}") >= 4.0);
+    assert!(
+        tollgate_engine::prometheus_value(&text, "tollgate_lease_requests{policy=\"bulk\"}") >= 4.0
+    );
 }
 
 tollgate_e2e::both_builds!(

@@ -6,12 +6,14 @@
 
 use std::fmt::Write as _;
 
-use tollgate_engine::engine::{Engine, Outcome, SHARED_PREFIX};
-use tollgate_engine::request::{build_key, conditions_hold, PolicyKey, RequestFacts, RequestSource};
-use tollgate_engine::shared::MemorySharedData;
-use tollgate_engine::table::SlotTable;
 use tollgate_core::key;
 use tollgate_core::policy::{authority_host, OnMissingKey, Policies, Policy};
+use tollgate_engine::engine::{Engine, Outcome, SHARED_PREFIX};
+use tollgate_engine::request::{
+    build_key, conditions_hold, PolicyKey, RequestFacts, RequestSource,
+};
+use tollgate_engine::shared::MemorySharedData;
+use tollgate_engine::table::SlotTable;
 
 /// The request to explain, as the command line gives it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -17,14 +17,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tollgate_engine::engine::{Engine, SHARED_PREFIX};
-use tollgate_engine::metrics::Metrics;
-use tollgate_engine::table::{unguessable_seed, Cells, SlotTable};
-use tollgate_engine::worker::{Ctx, Host, Worker};
 use tollgate_core::condition::Fact;
 use tollgate_core::policy::{KeyPart, Policies};
 use tollgate_core::protocol::MAX_BODY_BYTES;
 use tollgate_core::response::LocalReply;
+use tollgate_engine::engine::{Engine, SHARED_PREFIX};
+use tollgate_engine::metrics::Metrics;
+use tollgate_engine::table::{unguessable_seed, Cells, SlotTable};
+use tollgate_engine::worker::{Ctx, Host, Worker};
 
 /// Events of the configuration's scheduler (main thread).
 pub const EVENT_FLUSH: u64 = 1;

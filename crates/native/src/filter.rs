@@ -7,13 +7,13 @@ use crate::shared::ProcessSharedData;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use tollgate_core::policy::authority_host;
+use tollgate_core::response::{self, LocalReply};
 use tollgate_engine::engine::{when_table_fails, Engine, Outcome as PolicyOutcome};
 use tollgate_engine::metrics::Metrics;
 use tollgate_engine::request::RequestSource;
 use tollgate_engine::stream::{Flow, Instance, Stream, StreamHost};
 use tollgate_engine::worker::Worker;
-use tollgate_core::policy::authority_host;
-use tollgate_core::response::{self, LocalReply};
 
 /// Request ids of the process (the worker holds requests by id).
 static NEXT_ID: AtomicU32 = AtomicU32::new(1);

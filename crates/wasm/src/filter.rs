@@ -3,14 +3,7 @@
 //! return `Result`; the SDK's trait helpers unwrap, and a panic would kill the worker's VM).
 //! The root context owns the worker's callouts (see `worker`).
 
-use tollgate_engine::engine::{Engine, SHARED_PREFIX};
-use tollgate_engine::metrics::Metrics;
-use tollgate_engine::request::RequestSource;
 use crate::host::HostSharedData;
-use tollgate_engine::shared::{SharedData, WriteError};
-use tollgate_engine::stream::{Flow, Instance, Stream, StreamHost};
-use tollgate_engine::table::{unguessable_seed, SlotTable};
-use tollgate_engine::worker::{Ctx, Host, Worker};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
@@ -20,6 +13,13 @@ use std::time::{Duration, UNIX_EPOCH};
 use tollgate_core::policy::Policies;
 use tollgate_core::protocol::MAX_BODY_BYTES;
 use tollgate_core::response::LocalReply;
+use tollgate_engine::engine::{Engine, SHARED_PREFIX};
+use tollgate_engine::metrics::Metrics;
+use tollgate_engine::request::RequestSource;
+use tollgate_engine::shared::{SharedData, WriteError};
+use tollgate_engine::stream::{Flow, Instance, Stream, StreamHost};
+use tollgate_engine::table::{unguessable_seed, SlotTable};
+use tollgate_engine::worker::{Ctx, Host, Worker};
 
 /// Largest plugin configuration read.
 const MAX_CONFIG_BYTES: usize = 4 * 1024 * 1024;

@@ -126,7 +126,8 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 
 /// The filter's version (crates/wasm/Cargo.toml, `[package]`), the default image tag.
 pub fn filter_version() -> String {
-    let toml = std::fs::read_to_string(root().join("crates/wasm/Cargo.toml")).expect("crates/wasm/Cargo.toml");
+    let toml = std::fs::read_to_string(root().join("crates/wasm/Cargo.toml"))
+        .expect("crates/wasm/Cargo.toml");
     let package = toml.split("[package]").nth(1).expect("[package] section");
     package
         .lines()
