@@ -20,6 +20,7 @@ use crate::shared::SharedData;
 use crate::table::Cells;
 use crate::table::{SlotTable, TableError};
 use smallvec::SmallVec;
+use std::cell::RefCell;
 #[cfg(not(target_family = "wasm"))]
 use std::sync::Arc;
 use tollgate_core::policy::{LimiterSpec, Policies, Policy};
@@ -127,11 +128,16 @@ impl Matched {
         policy: &str,
         write_key: impl FnOnce(&mut String) -> bool,
     ) -> Option<Self> {
-        let mut bucket_id = String::with_capacity(policy.len() + 48);
+        let mut bucket_id = id_buffer();
+        bucket_id.reserve(policy.len() + 48);
         bucket_id.push_str(policy);
         bucket_id.push(':');
         let key_from = bucket_id.len();
-        write_key(&mut bucket_id).then_some(Matched {
+        if !write_key(&mut bucket_id) {
+            give_back_id_buffer(bucket_id);
+            return None;
+        }
+        Some(Matched {
             index,
             bucket_id,
             key_from,
@@ -145,6 +151,46 @@ impl Matched {
     pub fn key(&self) -> &str {
         self.bucket_id.get(self.key_from..).unwrap_or_default()
     }
+}
+
+/// A request's bucket id's buffer goes back to its thread's spares: the next request's id is
+/// written into it instead of a new allocation.
+impl Drop for Matched {
+    fn drop(&mut self) {
+        give_back_id_buffer(std::mem::take(&mut self.bucket_id));
+    }
+}
+
+/// Spare bucket-id buffers kept per thread: at most [`SPARE_IDS`], each of at most
+/// [`SPARE_ID_BYTES`] (a longer one is freed), so what is kept stays small whatever the keys.
+const SPARE_IDS: usize = 8;
+const SPARE_ID_BYTES: usize = 256;
+
+thread_local! {
+    static SPARE_ID_BUFFERS: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+}
+
+/// An empty buffer for a bucket id: a spare of this thread, else a new one.
+fn id_buffer() -> String {
+    SPARE_ID_BUFFERS
+        .try_with(|spares| spares.try_borrow_mut().ok().and_then(|mut s| s.pop()))
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+fn give_back_id_buffer(mut buffer: String) {
+    if buffer.capacity() == 0 || buffer.capacity() > SPARE_ID_BYTES {
+        return;
+    }
+    buffer.clear();
+    let _ = SPARE_ID_BUFFERS.try_with(|spares| {
+        if let Ok(mut spares) = spares.try_borrow_mut() {
+            if spares.len() < SPARE_IDS {
+                spares.push(buffer);
+            }
+        }
+    });
 }
 
 impl Plan {

@@ -65,7 +65,9 @@ pub trait StreamHost: RequestSource {
 pub struct Stream {
     /// The host's id of the request (the worker resumes or answers it by this id).
     pub id: u32,
-    pub admitted: Admitted,
+    /// What the request shares with the worker (its settlements, response headers, whether
+    /// it was resumed); `None` until one of them is needed.
+    admitted: Option<Admitted>,
     /// The plan waits for the request body (a `reserve` reads it), reading at most this much.
     body_wait: Option<(Plan, usize)>,
     /// What the response says the request cost, once its headers arrived.
@@ -82,7 +84,7 @@ impl Stream {
     pub fn new(id: u32) -> Self {
         Self {
             id,
-            admitted: Admitted::default(),
+            admitted: None,
             body_wait: None,
             usage: None,
             held: false,
@@ -193,12 +195,15 @@ impl Stream {
         host: &impl StreamHost,
         end_of_stream: bool,
     ) {
-        let (headers, admissions) = {
-            let mut admitted = self.admitted.lock();
-            (
-                std::mem::take(&mut admitted.response_headers),
-                std::mem::take(&mut admitted.admissions),
-            )
+        let (headers, admissions) = match &self.admitted {
+            Some(admitted) => {
+                let mut admitted = admitted.lock();
+                (
+                    std::mem::take(&mut admitted.response_headers),
+                    std::mem::take(&mut admitted.admissions),
+                )
+            }
+            None => (Vec::new(), Vec::new()),
         };
         for (name, value) in headers {
             host.add_response_header(&name, &value);
@@ -257,7 +262,11 @@ impl Stream {
         let mut usage = match self.usage.take() {
             Some(usage) => usage,
             None => {
-                let admissions = std::mem::take(&mut self.admitted.lock().admissions);
+                let admissions = self
+                    .admitted
+                    .as_ref()
+                    .map(|a| std::mem::take(&mut a.lock().admissions))
+                    .unwrap_or_default();
                 if admissions.is_empty() {
                     return;
                 }
@@ -270,6 +279,18 @@ impl Stream {
         }
     }
 
+    /// The state this request shares with the worker, made when first needed: a request
+    /// admitted with nothing to settle, release or add to its response never allocates it.
+    fn shared(&mut self) -> &Admitted {
+        self.admitted.get_or_insert_with(Admitted::default)
+    }
+
+    /// Whether the response body can tell this request anything (its actual cost): a host
+    /// may skip measuring the body's chunks for [`Stream::on_response_body`] when not.
+    pub fn reads_response_body(&self) -> bool {
+        self.usage.is_some()
+    }
+
     /// Whether the request was ever paused (for a lease, a shaped turn or a local answer).
     pub fn was_held(&self) -> bool {
         self.held
@@ -277,13 +298,13 @@ impl Stream {
 
     /// Whether the request still waits for its decision (or was answered locally).
     fn still_held(&self) -> bool {
-        self.held && !self.admitted.lock().resumed
+        self.held && !self.admitted.as_ref().is_some_and(|a| a.lock().resumed)
     }
 
     /// Registers this request as waiting for the leases `decision` asks for and wakes the
     /// sender; `false` (and nothing registered) when that is not possible.
     fn start_waiting(
-        &self,
+        &mut self,
         instance: &impl Instance,
         plan: &Plan,
         decision: &Decision,
@@ -291,14 +312,10 @@ impl Stream {
     ) -> bool {
         let timeout = instance.engine().limiter().map_or(0, |l| l.timeout.0);
         let deadline = now + timeout + DEADLINE_MARGIN_MS;
+        let admitted = self.shared().clone();
+        let id = self.id;
         let registered = instance.with_worker(|worker| {
-            let waits = worker.wait(
-                self.id,
-                plan.clone(),
-                decision,
-                deadline,
-                self.admitted.clone(),
-            );
+            let waits = worker.wait(id, plan.clone(), decision, deadline, admitted);
             if waits {
                 worker.queue(decision);
             }
@@ -355,8 +372,11 @@ impl Stream {
                 for (name, value) in &decision.request_headers {
                     host.set_request_header(name, Some(value));
                 }
+                if self.admitted.is_some()
+                    || !decision.response_headers.is_empty()
+                    || !decision.admissions.is_empty()
                 {
-                    let mut admitted = self.admitted.lock();
+                    let mut admitted = self.shared().lock();
                     admitted.response_headers = decision.response_headers;
                     admitted.admissions = decision.admissions;
                 }
@@ -364,7 +384,7 @@ impl Stream {
                     // A shaped request: its turn comes later; the worker's tick resumes it.
                     let shaped = shaped_ids(engine, &plan);
                     let worker_host = instance.worker_host();
-                    let admitted = self.admitted.clone();
+                    let admitted = self.shared().clone();
                     let id = self.id;
                     let slept = instance.with_worker(|worker| {
                         worker.sleep(id, now + decision.delay_ms, shaped, admitted, &worker_host)

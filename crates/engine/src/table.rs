@@ -1302,6 +1302,60 @@ impl SlotTable {
         result
     }
 
+    /// One key's record decided where it lies, for a decision that reads the record and
+    /// then makes plain writes to it: `decide` reads the record (a fresh one for a new key)
+    /// and returns the decision, `write` applies it (assignments and arithmetic, nothing that
+    /// can panic). In the native cells a found record is neither copied out nor back: it is
+    /// read and written in place under its group's lock, and a panic in `decide` leaves it
+    /// as it was (`decide` cannot change it). Elsewhere (shared data, or a new key) it is
+    /// [`SlotTable::transact`] on a copy; `refund(value, before, after, current)` undoes the
+    /// decision's write when a later write of its transaction lost a race.
+    pub fn transact_read<T>(
+        &self,
+        store: &impl SharedData,
+        id: &str,
+        now_ms: u64,
+        mut decide: impl FnMut(&Record) -> T,
+        write: impl Fn(&T, &mut Record),
+        refund: impl Fn(&T, &Record, &Record, &mut Record),
+    ) -> Result<Transacted<T>, TableError> {
+        #[cfg(not(target_family = "wasm"))]
+        if let Some(cells) = &self.cells {
+            if let Some(done) = self.transact_cell_in_place(cells, id, &mut decide, &write)? {
+                return Ok(done);
+            }
+        }
+        // The decision of the latest attempt: what the caller gets, and what a refund undoes.
+        let last: std::cell::RefCell<Option<T>> = std::cell::RefCell::new(None);
+        let done = self.transact(
+            store,
+            &[id],
+            now_ms,
+            |records| {
+                let Some(record) = records.first_mut() else {
+                    *last.borrow_mut() = None;
+                    return Txn::Abort(());
+                };
+                let value = decide(record);
+                write(&value, record);
+                *last.borrow_mut() = Some(value);
+                Txn::Commit(())
+            },
+            |_, before, after, current| {
+                if let Some(value) = &*last.borrow() {
+                    refund(value, before, after, current);
+                }
+            },
+        )?;
+        // One id always gives the decision one record: an abort cannot happen.
+        let value = last.into_inner().ok_or(TableError::Host)?;
+        Ok(Transacted {
+            value,
+            committed: done.committed,
+            evictions: done.evictions,
+        })
+    }
+
     fn transact_in<T>(
         &self,
         buffers: &mut Buffers,

@@ -62,6 +62,10 @@ impl NativeFilter {
     }
 
     pub fn on_response_body(&mut self, envoy: FilterEnvoyPtr, end_of_stream: bool) {
+        // Most responses settle nothing: no call to Envoy for the chunk's size.
+        if !self.stream.reads_response_body() {
+            return;
+        }
         let (view, request) = parts(&self.config, self.stream.id, envoy);
         let size = request.body_size(abi::BODY_RECEIVED_RESPONSE);
         self.stream

@@ -172,28 +172,23 @@ impl Engine {
         now_ms: u64,
         decision: &mut Decision,
     ) {
-        // The step of the latest attempt: what a refund undoes (the key's group is written
-        // before its other candidates are confirmed, and a lost confirmation refunds it).
-        let last: RefCell<Option<Step>> = RefCell::new(None);
-        let result = self.table.transact(
+        // The step reads the record; its spend and housekeeping are the only writes, made
+        // after it returned (in place in the native cells: nothing is copied out and back).
+        let result = self.table.transact_read(
             store,
-            &[m.bucket_id.as_str()],
+            m.bucket_id.as_str(),
             now_ms,
-            |records| {
-                let Some(record) = records.first_mut() else {
-                    *last.borrow_mut() = None;
-                    return Txn::Abort(());
-                };
-                let step = local_step(policy, m, record, now_ms);
-                if let Step::Allow { spend, .. } = &step {
+            |record| local_step(policy, m, record, now_ms),
+            |step, record| {
+                if let Step::Allow { spend, .. } = step {
                     apply_spend(spend, record);
                 }
                 mark_evictable(record, policy, now_ms);
-                *last.borrow_mut() = Some(step);
-                Txn::Commit(())
             },
-            |_, before, after, current| {
-                if let Some(Step::Allow { spend, .. }) = &*last.borrow() {
+            // The key's group is written before its other candidates are confirmed, and a
+            // lost confirmation refunds it.
+            |step, before, after, current| {
+                if let Step::Allow { spend, .. } = step {
                     undo_spend(spend, policy, before, after, current, now_ms);
                 }
             },
@@ -201,7 +196,7 @@ impl Engine {
         let step = match result {
             Ok(done) => {
                 decision.evictions += done.evictions;
-                last.into_inner()
+                Some(done.value)
             }
             Err(error) => {
                 decision.table_error = Some(error);

@@ -273,10 +273,8 @@ impl Engine {
             global::assignment_retry_ms(lease, owed, now_ms)
         } else {
             if lease.pending_until_ms <= now_ms && lease.denied_until_ms <= now_ms {
-                let repay = Matched {
-                    cost: owed.min(policy.burst),
-                    ..matched.clone()
-                };
+                let mut repay = matched.clone();
+                repay.cost = owed.min(policy.burst);
                 ask_in_background(&repay, lease, settings, now_ms, scratch);
             }
             policy

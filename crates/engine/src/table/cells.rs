@@ -144,6 +144,34 @@ impl SlotTable {
         result
     }
 
+    /// [`SlotTable::transact_read`] on a record found in its key's first candidate: decided
+    /// and written in place under that group's lock. `None` when the key is not there (it is
+    /// new, or lives in another candidate): the caller runs the general transaction.
+    pub(super) fn transact_cell_in_place<T>(
+        &self,
+        cells: &Cells,
+        id: &str,
+        decide: &mut impl FnMut(&Record) -> T,
+        write: &impl Fn(&T, &mut Record),
+    ) -> Result<Option<Transacted<T>>, TableError> {
+        let probe = self.probe(id);
+        let first = probe.groups(1);
+        let Some(&index) = first.as_slice().first() else {
+            return Ok(None);
+        };
+        let mut group = cells.lock(index)?;
+        let Some(record) = group.iter_mut().find(|r| r.id == id) else {
+            return Ok(None);
+        };
+        let value = decide(record);
+        write(&value, record);
+        Ok(Some(Transacted {
+            value,
+            committed: true,
+            evictions: 0,
+        }))
+    }
+
     /// One key (a request matching one enforced policy, a credit, a lease's expiry): its first
     /// candidate alone is locked when the key lives there.
     fn transact_one<T>(

@@ -1521,6 +1521,57 @@ fn a_panicking_decision_leaves_the_cells_as_they_were() {
 }
 
 #[test]
+fn a_read_decision_writes_in_place_and_a_panicking_one_leaves_the_cells_as_they_were() {
+    let store = MemorySharedData::default();
+    let (table, cells) = open_in_cells(&store, 16, &[]);
+    let take = |tokens: f64| {
+        move |record: &mut Record| {
+            record.bucket = Some(BucketState {
+                tokens,
+                updated_ms: 7,
+            });
+            record.evictable_at_ms = 9;
+        }
+    };
+    // A new key goes through the general transaction; a found one is written in place.
+    for tokens in [3.0, 1.0] {
+        let done = table
+            .transact_read(
+                &store,
+                "p:a",
+                0,
+                |record| record.bucket.map(|b| b.tokens),
+                |_, record| take(tokens)(record),
+                |_, _, _, _| {},
+            )
+            .unwrap();
+        assert!(done.committed);
+        let (_, record) = &cells.records()[0];
+        assert_eq!(record.bucket.map(|b| b.tokens), Some(tokens));
+        assert_eq!(record.evictable_at_ms, 9);
+    }
+    let before = cells.records();
+    assert_eq!(before.len(), 1, "one key, one record");
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        table.transact_read(
+            &store,
+            "p:a",
+            0,
+            |_| -> () { panic!("a decision's bug") },
+            |_, record| take(0.0)(record),
+            |_, _, _, _| {},
+        )
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(cells.records(), before);
+    // The group's lock is usable after the panic.
+    let read = table
+        .transact_read(&store, "p:a", 0, |r| r.bucket, |_, _| {}, |_, _, _, _| {})
+        .unwrap();
+    assert_eq!(read.value.map(|b| b.tokens), Some(1.0));
+}
+
+#[test]
 fn cells_shared_by_a_reload_keep_or_restart_each_keys_state_never_mix_it() {
     // An old and a new configuration (one more policy: `p`'s region moves) on the same cells,
     // both serving: each key keeps its record or starts fresh, and every unit charged is in
