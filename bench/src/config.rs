@@ -1,6 +1,6 @@
 //! The Envoy configs and policy documents of every scenario, derived from the shipped
 //! `envoy/local.yaml`, `envoy/global.yaml` and `envoy/global-mtls.yaml` (made test-ready by
-//! [`tollgate_e2e::tollgate_engine::envoy_config`]), so the benchmark measures what we ship: the same
+//! [`tollgate_e2e::tollgate::envoy_config`]), so the benchmark measures what we ship: the same
 //! V8 runtime, `failure_policy`, limiter cluster, TLS and stats settings.
 //!
 //! Four edits are applied to the shipped text, each checked to apply exactly once: answer on

@@ -73,7 +73,7 @@ use tollgate_e2e::build::Build;
 use tollgate_e2e::mtls::MtlsSetup;
 use tollgate_e2e::redis::commandstats_calls as redis_calls;
 use tollgate_e2e::redis::RedisOptions;
-use tollgate_e2e::tollgate_engine::{envoy_config, prometheus_value, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
 use tollgate_e2e::upstream::MockResponse;
 use tollgate_e2e::{free_port, paths, Envoy, EnvoyOptions, RedisServer, Upstream};
 

@@ -168,8 +168,8 @@ mod tests {
         assert!(!native.contains("envoy.filters.http.wasm"));
         assert!(native.contains("envoy.filters.http.dynamic_modules"));
         assert!(native.contains(r"regex: '^dynamicmodulescustom\.tollgate_"));
-        let (_, wasm_block, _) = crate::tollgate_engine::policy_block(&wasm);
-        let (_, native_block, _) = crate::tollgate_engine::policy_block(&native);
+        let (_, wasm_block, _) = crate::tollgate::policy_block(&wasm);
+        let (_, native_block, _) = crate::tollgate::policy_block(&native);
         assert_eq!(wasm_block, native_block);
         let clusters = |c: &str| c.split_once("\n  clusters:\n").unwrap().1.to_string();
         assert_eq!(clusters(&wasm), clusters(&native));

@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate_engine::{envoy_config, policy_metric, start_ingress};
+use tollgate_e2e::tollgate::{envoy_config, policy_metric, start_ingress};
 use tollgate_e2e::{burst, send, Envoy, RequestSpec, Upstream};
 
 const WORKERS: u32 = 4;

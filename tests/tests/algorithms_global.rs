@@ -10,7 +10,7 @@
 //! `redis-server` and on a local Redis Cluster. A concurrent burst over both Envoys admits
 //! exactly the window's limit, whatever the algorithm.
 
-use tollgate_e2e::tollgate_engine::{envoy_config, policy_metric, start_ingress, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, policy_metric, start_ingress, Limiter, Store};
 use tollgate_e2e::{burst, Envoy, RedisCluster, RedisServer, RequestSpec, Response, Upstream};
 
 const ALGORITHMS: [&str; 3] = ["fixed_window", "sliding_window", "sliding_log"];

@@ -17,7 +17,7 @@
 use tollgate_e2e::http_blocking::raw_status;
 
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate_engine::{self, envoy_config};
+use tollgate_e2e::tollgate::{self, envoy_config};
 use tollgate_e2e::{burst, send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
 fn start(build: Build, policy: &str, upstream: &Upstream) -> (Envoy, u16) {
@@ -63,7 +63,7 @@ fn item(tenant: &str, plan: Option<&str>, i: usize) -> RequestSpec {
 }
 
 fn metric(envoy: &Envoy, what: &str, policy: &str) -> u64 {
-    tollgate_engine::prometheus_value(
+    tollgate::prometheus_value(
         &envoy.stats_prometheus(),
         &format!("tollgate_{what}{{policy=\"{policy}\"}}"),
     ) as u64
@@ -231,7 +231,7 @@ async fn repeated_and_hostile_header_values_neither_crash_nor_change_which_value
     if build == Build::Wasm {
         let text = envoy.stats_prometheus();
         assert_eq!(
-            tollgate_engine::prometheus_value(&text, "envoy_wasm_tollgate_vm_reload"),
+            tollgate::prometheus_value(&text, "envoy_wasm_tollgate_vm_reload"),
             0.0
         );
     }

@@ -19,7 +19,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate_engine::{envoy_config, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, Limiter, Store};
 use tollgate_e2e::{paths, Envoy, EnvoyOptions, Upstream};
 
 const BURST: usize = 4;

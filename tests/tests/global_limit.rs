@@ -17,9 +17,7 @@ use serde_json::Value;
 use tollgate_e2e::build::Build;
 use tollgate_e2e::client::{burst_detailed, try_send_timeout};
 use tollgate_e2e::redis::commandstats_calls;
-use tollgate_e2e::tollgate_engine::{
-    envoy_config, item, policy_block, prometheus_value, Limiter, Store,
-};
+use tollgate_e2e::tollgate::{envoy_config, item, policy_block, prometheus_value, Limiter, Store};
 use tollgate_e2e::upstream::MockResponse;
 use tollgate_e2e::{
     burst, paths, send, Envoy, EnvoyOptions, RedisServer, RequestSpec, Response, Upstream,

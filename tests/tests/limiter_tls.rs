@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tollgate_e2e::mtls::MtlsSetup;
 use tollgate_e2e::pki::{CertFiles, TestCa};
 use tollgate_e2e::tls_client::TlsClient;
-use tollgate_e2e::tollgate_engine::{
+use tollgate_e2e::tollgate::{
     envoy_config, item, per_tenant_items_policy, prometheus_value, Limiter, Store,
 };
 use tollgate_e2e::{burst, http_blocking, paths, Envoy, EnvoyOptions, Upstream};

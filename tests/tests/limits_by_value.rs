@@ -19,7 +19,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate_engine::{envoy_config, prometheus_value, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, prometheus_value, Limiter, Store};
 use tollgate_e2e::{
     burst, http_blocking, process, send, Envoy, EnvoyOptions, RedisServer, RequestSpec, Response,
     Upstream,

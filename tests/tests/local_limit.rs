@@ -14,7 +14,7 @@ use tollgate_e2e::http_blocking::raw_status;
 
 use serde_json::Value;
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate_engine::{self, envoy_config};
+use tollgate_e2e::tollgate::{self, envoy_config};
 use tollgate_e2e::{burst, send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
 const WORKERS: u32 = 4;
@@ -82,12 +82,12 @@ fn prometheus_value(envoy: &Envoy, metric: &str) -> u64 {
             .starts_with(name)),
         "no {metric} in /stats/prometheus:\n{text}"
     );
-    tollgate_engine::prometheus_value(&text, metric) as u64
+    tollgate::prometheus_value(&text, metric) as u64
 }
 
 #[test]
 fn shipped_config_embeds_the_payments_policy() {
-    tollgate_engine::assert_embeds_policy("envoy/local.yaml", "policies/payments.json");
+    tollgate::assert_embeds_policy("envoy/local.yaml", "policies/payments.json");
 }
 
 async fn a_burst_for_one_tenant_admits_exactly_the_burst(build: Build) {

@@ -15,7 +15,7 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::process::Command;
 
 use tollgate_e2e::build::{native_dir, Build};
-use tollgate_e2e::tollgate_engine::envoy_config;
+use tollgate_e2e::tollgate::envoy_config;
 use tollgate_e2e::{send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
 /// The ABI version the module is built for (`crates/native/src/abi.rs`), which the pinned Envoy 1.40

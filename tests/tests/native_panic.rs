@@ -19,7 +19,7 @@ use std::time::Duration;
 use tollgate_core::response::limiter_unavailable;
 use tollgate_e2e::build::{panic_injection_module, with_module_file, Build};
 use tollgate_e2e::process::wait_for;
-use tollgate_e2e::tollgate_engine::{envoy_config, policy_metric, prometheus_value};
+use tollgate_e2e::tollgate::{envoy_config, policy_metric, prometheus_value};
 use tollgate_e2e::{send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
 const POLICY: &str = r#"{

@@ -13,7 +13,7 @@
 //! degraded route, nor keeps a request over the limit on the normal one.
 
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate_engine::{self, envoy_config, Limiter, Store};
+use tollgate_e2e::tollgate::{self, envoy_config, Limiter, Store};
 use tollgate_e2e::{send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
 const TAG: &str = "x-tollgate-over-limit";
@@ -155,15 +155,15 @@ async fn over_the_limit_requests_take_the_degraded_route(build: Build) {
 
     let text = envoy.stats_prometheus();
     assert_eq!(
-        tollgate_engine::prometheus_value(&text, "tollgate_tagged{policy=\"bulk\"}"),
+        tollgate::prometheus_value(&text, "tollgate_tagged{policy=\"bulk\"}"),
         8.0
     );
     assert_eq!(
-        tollgate_engine::prometheus_value(&text, "tollgate_allowed{policy=\"bulk\"}"),
+        tollgate::prometheus_value(&text, "tollgate_allowed{policy=\"bulk\"}"),
         4.0
     );
     assert_eq!(
-        tollgate_engine::prometheus_value(&text, "tollgate_denied{policy=\"bulk\"}"),
+        tollgate::prometheus_value(&text, "tollgate_denied{policy=\"bulk\"}"),
         0.0
     );
 }
@@ -200,12 +200,10 @@ async fn a_request_that_waited_for_the_limiter_is_tagged_when_resumed(build: Bui
     assert_eq!(tag_values(&degraded.last_headers()), vec!["bulk"]);
     let text = envoy.stats_prometheus();
     assert_eq!(
-        tollgate_engine::prometheus_value(&text, "tollgate_tagged{policy=\"bulk\"}"),
+        tollgate::prometheus_value(&text, "tollgate_tagged{policy=\"bulk\"}"),
         4.0
     );
-    assert!(
-        tollgate_engine::prometheus_value(&text, "tollgate_lease_requests{policy=\"bulk\"}") >= 4.0
-    );
+    assert!(tollgate::prometheus_value(&text, "tollgate_lease_requests{policy=\"bulk\"}") >= 4.0);
 }
 
 tollgate_e2e::both_builds!(

@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use tollgate_e2e::client::{burst_detailed, Timed};
-use tollgate_e2e::tollgate_engine::{
+use tollgate_e2e::tollgate::{
     envoy_config, item, per_tenant_items_policy, policy_metric, prometheus_value, Limiter, Store,
 };
 use tollgate_e2e::{send, Envoy, EnvoyOptions, HarnessError, RedisServer, Response, Upstream};

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
-use tollgate_e2e::tollgate_engine::{envoy_config, policy_metric, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, policy_metric, Limiter, Store};
 use tollgate_e2e::{
     free_port, process, try_send, Envoy, EnvoyOptions, RedisServer, RequestSpec, Upstream,
 };

@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 use ops::{root, run, run_ok, scratch};
 use serde_json::Value;
 use tollgate_e2e::process::{self, ChildProcess};
-use tollgate_e2e::tollgate_engine::{envoy_config, policy_metric, prometheus_value, start_ingress};
-use tollgate_e2e::tollgate_engine::{Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, policy_metric, prometheus_value, start_ingress};
+use tollgate_e2e::tollgate::{Limiter, Store};
 use tollgate_e2e::{burst, free_port, http_blocking, send, MeteredRequest, UsageIn};
 use tollgate_e2e::{Envoy, MeteredUpstream, RedisServer, RequestSpec};
 

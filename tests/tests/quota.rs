@@ -17,7 +17,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate_engine::{envoy_config, policy_metric};
+use tollgate_e2e::tollgate::{envoy_config, policy_metric};
 use tollgate_e2e::{burst, send, Envoy, EnvoyOptions, RequestSpec, Response, Upstream};
 
 const WORKERS: u32 = 4;
@@ -289,7 +289,7 @@ async fn a_quota_resets_at_midnight_utc_on_the_first(build: Build) {
 /// `Retry-After` counts to the first of next month.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_global_monthly_quota_holds_across_two_envoys_until_the_first_of_next_month() {
-    use tollgate_e2e::tollgate_engine::{start_ingress, Limiter, Store};
+    use tollgate_e2e::tollgate::{start_ingress, Limiter, Store};
     use tollgate_e2e::RedisServer;
     let policy = r#"{
   "policies": [

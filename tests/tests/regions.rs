@@ -19,7 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tollgate_e2e::client::burst_detailed;
-use tollgate_e2e::tollgate_engine::{envoy_config, item, prometheus_value, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, item, prometheus_value, Limiter, Store};
 use tollgate_e2e::{Envoy, EnvoyOptions, RedisServer, RequestSpec, Upstream};
 
 const FLEET: &str = "fleet";
@@ -411,8 +411,8 @@ async fn sustained(per_tick: (usize, usize), tenant: &'static str) {
         b.admitted(),
         calls_per_s.0,
         calls_per_s.1,
-        tollgate_e2e::tollgate_engine::policy_metric(&fleet.a.envoy, "lease_requests", FLEET),
-        tollgate_e2e::tollgate_engine::policy_metric(&fleet.b.envoy, "lease_requests", FLEET),
+        tollgate_e2e::tollgate::policy_metric(&fleet.a.envoy, "lease_requests", FLEET),
+        tollgate_e2e::tollgate::policy_metric(&fleet.b.envoy, "lease_requests", FLEET),
     );
     assert!(a.statuses_other_than(&[200, 429]).is_empty());
     assert!(b.statuses_other_than(&[200, 429]).is_empty());

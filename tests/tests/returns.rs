@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use tollgate_e2e::build::Build;
 use tollgate_e2e::client::burst_detailed;
-use tollgate_e2e::tollgate_engine::{envoy_config, item, prometheus_value, Limiter, Store};
+use tollgate_e2e::tollgate::{envoy_config, item, prometheus_value, Limiter, Store};
 use tollgate_e2e::{send, Envoy, EnvoyOptions, RedisServer, Upstream};
 
 const POLICY: &str = "fleet";

@@ -27,7 +27,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use tollgate_e2e::mtls::MtlsSetup;
 use tollgate_e2e::process::wait_for;
-use tollgate_e2e::tollgate_engine::{prometheus_value, Limiter, Store};
+use tollgate_e2e::tollgate::{prometheus_value, Limiter, Store};
 use tollgate_e2e::{
     burst, free_port, paths, send, Envoy, EnvoyOptions, RedisServer, RequestSpec, Upstream,
 };

@@ -14,9 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tollgate_e2e::build::Build;
-use tollgate_e2e::tollgate_engine::{
-    assert_embeds_policy, envoy_config, policy_metric, start_ingress,
-};
+use tollgate_e2e::tollgate::{assert_embeds_policy, envoy_config, policy_metric, start_ingress};
 use tollgate_e2e::{
     burst, paths, process, send, try_burst, try_send_streamed, Envoy, EnvoyOptions, MeteredRequest,
     MeteredUpstream, RequestSpec, Response, UsageIn, Wire,

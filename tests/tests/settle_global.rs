@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use tollgate_e2e::tollgate_engine::{
+use tollgate_e2e::tollgate::{
     envoy_config, policy_metric, prometheus_value, start_ingress, Limiter, Store,
 };
 use tollgate_e2e::{process, send, MeteredRequest, MeteredUpstream, RedisServer, RequestSpec};

@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use tollgate_e2e::tollgate_engine::{self, envoy_config};
+use tollgate_e2e::tollgate::{self, envoy_config};
 use tollgate_e2e::{burst, Envoy, EnvoyOptions, RequestSpec, Response, Upstream};
 
 const WORKERS: u32 = 4;
@@ -46,7 +46,7 @@ fn counter(envoy: &Envoy, series: &str) -> u64 {
         text.lines().any(|l| l.starts_with(name)),
         "no {series} in /stats/prometheus:\n{text}"
     );
-    tollgate_engine::prometheus_value(&text, series) as u64
+    tollgate::prometheus_value(&text, series) as u64
 }
 
 fn statuses<'a>(responses: impl IntoIterator<Item = &'a Response>) -> BTreeMap<u16, usize> {

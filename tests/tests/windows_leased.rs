@@ -25,9 +25,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tollgate_e2e::build::Build;
 use tollgate_e2e::client::try_send_timeout;
-use tollgate_e2e::tollgate_engine::{
-    envoy_config, item, policy_metric, start_ingress, Limiter, Store,
-};
+use tollgate_e2e::tollgate::{envoy_config, item, policy_metric, start_ingress, Limiter, Store};
 use tollgate_e2e::{send, RequestSpec, Upstream};
 
 const LIMIT: usize = 20;

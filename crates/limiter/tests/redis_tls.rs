@@ -27,7 +27,7 @@ use support::*;
 use tollgate_e2e::http_blocking::{self, BlockingResponse};
 use tollgate_e2e::pki::{CertFiles, TestCa};
 use tollgate_e2e::process::wait_for;
-use tollgate_e2e::tollgate_engine::{Limiter, Store};
+use tollgate_e2e::tollgate::{Limiter, Store};
 use tollgate_e2e::{RedisCluster, RedisServer};
 
 /// Generous for a loaded 2-core machine: the limiter's store timeout (the default 50 ms would
