@@ -1003,7 +1003,7 @@ fn micro_summary(out: &std::path::Path) {
         let s = setup(&args_from(Vec::new()));
         format!(
             "{}, commit `{}`, {}; native code (profile `server`), criterion medians. The filter \
-             runs the same code as wasm32 in V8, several times slower: see README \"Benchmarks\".",
+             runs the same code as wasm32 in V8, several times slower: see docs/src/benchmarks/index.md.",
             s.date, s.commit, s.machine
         )
     };

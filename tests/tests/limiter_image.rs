@@ -329,7 +329,7 @@ fn limiter_image_is_reproducible_minimal_and_serves_from_its_unpacked_rootfs() {
     assert!(limiter.is_running());
     limiter.kill();
 
-    // The same binary in place of envoyproxy/ratelimit (README, *Replace envoyproxy/
+    // The same binary in place of envoyproxy/ratelimit (docs/src/ratelimit/rls.md, *Replace envoyproxy/
     // ratelimit*): configured by the environment alone, no policy document, the
     // RateLimitService reading ratelimit's configuration directory.
     let config = dir.join("ratelimit-config");

@@ -7,7 +7,7 @@
 )]
 //! End-to-end tests of calendar quotas: a real Envoy (`--concurrency 4`, the shipped
 //! `envoy/local.yaml`) loads the built filter with a monthly quota and a per-second rate on the
-//! same key (the README's recipe, `policies/quota.json` with small numbers). The quota admits
+//! same key (the recipe of docs/src/policies/quotas.md, `policies/quota.json` with small numbers). The quota admits
 //! its count, a denial's `Retry-After` and `RateLimit` count to the first of next month
 //! (computed here by adding up month lengths, not by tollgate's arithmetic), and a request one
 //! policy denies takes nothing from the other. A second Envoy runs on a wall clock shifted to

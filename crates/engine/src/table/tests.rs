@@ -529,7 +529,7 @@ fn insert(
 }
 
 /// Up to this occupancy (live records / slots) of a region, at most 1 new key in 10^4 may find
-/// every candidate slot live (the README's sizing rule).
+/// every candidate slot live (the sizing rule of docs/src/operating/capacity.md).
 const DOCUMENTED_OCCUPANCY: f64 = 0.5;
 
 #[test]

@@ -2,7 +2,7 @@
 //! with what each policy reads instead of Envoy's descriptor actions, what converted with a
 //! difference, and what could not be expressed (each with its reason).
 //!
-//! Choices (also stated in the printed report and the README):
+//! Choices (also stated in the printed report and the book's docs/src/ratelimit/import.md):
 //! * one policy per descriptor path that ends in a `rate_limit`, named after the domain and
 //!   the path;
 //! * `algorithm: fixed_window`, `rate.units` = `requests_per_unit` per one unit: ratelimit
