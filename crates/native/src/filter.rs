@@ -95,45 +95,46 @@ impl NativeFilter {
         }
     }
 
-    /// The worker decided for this held request: act on it on this thread.
-    pub fn on_scheduled(&mut self, envoy: FilterEnvoyPtr) {
+    /// The worker decided for this held request: act on it on this thread. `true`: the request
+    /// is to go on, and the caller continues it once it no longer borrows the filter
+    /// (`continue_decoding` runs the rest of the filter chain inline, and a reply the router
+    /// sends at once comes back through this filter's response hooks within that call).
+    pub fn on_scheduled(&mut self, envoy: FilterEnvoyPtr) -> bool {
         let outcome = lock(&self.config.parked)
             .get_mut(&self.stream.id)
             .and_then(|slot| slot.outcome.take());
         if outcome.is_some() {
             self.released = true;
         }
-        match outcome {
+        let resume = match outcome {
             // SAFETY: `envoy` is this filter, in its own hook.
             Some(Outcome::Resume(request_headers)) => {
                 let request = Request::new(envoy);
                 for (name, value) in &request_headers {
                     request.set_request_header(name, Some(value));
                 }
-                // SAFETY: `envoy` is this filter, in its own hook.
-                unsafe { abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy) }
+                true
             }
             Some(Outcome::Reply(reply)) => {
                 Request::new(envoy).send_reply(&reply);
+                false
             }
-            None => {}
-        }
+            None => false,
+        };
         // A request the worker let go no longer needs its scheduler.
         let (view, _) = parts(&self.config, self.stream.id, envoy);
         view.with_worker(|_| ());
+        resume
     }
 
     /// After a panic in the scheduled hook: a request still held takes its policies' failure
-    /// mode (`closed` answers 503, `open` resumes it), once; one already resumed or answered
-    /// is left alone.
-    pub fn release_after_panic(&mut self, envoy: FilterEnvoyPtr) {
+    /// mode (`closed` answers 503, `open` lets it on), once; one already resumed or answered
+    /// is left alone. `true`: the caller continues the request, as for [`Self::on_scheduled`].
+    pub fn release_after_panic(&mut self, envoy: FilterEnvoyPtr) -> bool {
         if std::mem::replace(&mut self.released, true) {
-            return;
+            return false;
         }
-        if after_panic(&self.config, envoy) == Flow::Continue {
-            // SAFETY: `envoy` is this filter, in its own hook.
-            unsafe { abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy) };
-        }
+        after_panic(&self.config, envoy) == Flow::Continue
     }
 }
 

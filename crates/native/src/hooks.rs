@@ -213,10 +213,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
 /// - no hook inside a hook of the same filter, for the calls the module makes: after
 ///   `send_response` Envoy runs none of this filter's encode hooks for the local reply (it
 ///   skips them once the filter sent one), and the `local_reply` hook it does call inline
-///   ignores the filter pointer. Not covered: `continue_decoding` runs the rest of the filter
-///   chain inline, so a filter after this one (the router) that answers at once sends its
-///   reply through this filter's response hooks within that call; the `scheduled` hook calls
-///   it while it holds the filter.
+///   ignores the filter pointer. `continue_decoding` runs the rest of the filter chain inline
+///   (a router that answers at once sends its reply through this filter's response hooks
+///   within that call), so the `scheduled` hook calls it only after its borrow of the filter
+///   has ended.
 ///
 /// # Safety
 /// `ptr` must come from `filter_new` and not be destroyed yet, and the caller must be one of
@@ -406,31 +406,45 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     _event: u64,
 ) {
     // The hook of a held request (waiting for a lease or its shaped turn): a panic here must
-    // not leave it held until Envoy's timeout.
+    // not leave it held until Envoy's timeout. The filter is borrowed only inside each closure:
+    // continuing the request runs the rest of the chain, which may call this filter's hooks.
     let ran = catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: Envoy passes this filter's pointers.
-        if let Some(filter) = unsafe { filter_mut(ptr) } {
-            stats::enter(filter.config.envoy.0);
-            #[cfg(feature = "panic-injection")]
-            filter::inject_panic(envoy, "scheduled");
-            filter.on_scheduled(envoy);
+        match unsafe { filter_mut(ptr) } {
+            Some(filter) => {
+                stats::enter(filter.config.envoy.0);
+                #[cfg(feature = "panic-injection")]
+                filter::inject_panic(envoy, "scheduled");
+                filter.on_scheduled(envoy)
+            }
+            None => false,
         }
     }));
-    if ran.is_ok() {
-        return;
-    }
-    ::log::error!(
-        "the tollgate scheduled hook panicked; a request still held takes its policies' failure mode"
-    );
-    let failed = catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: as above (the filter outlives its hooks, a panic or not).
-        if let Some(filter) = unsafe { filter_mut(ptr) } {
-            stats::enter(filter.config.envoy.0);
-            filter.release_after_panic(envoy);
+    let resume = match ran {
+        Ok(resume) => resume,
+        Err(_) => {
+            ::log::error!(
+                "the tollgate scheduled hook panicked; a request still held takes its policies' failure mode"
+            );
+            let failed = catch_unwind(AssertUnwindSafe(|| {
+                // SAFETY: as above (the filter outlives its hooks, a panic or not).
+                match unsafe { filter_mut(ptr) } {
+                    Some(filter) => {
+                        stats::enter(filter.config.envoy.0);
+                        filter.release_after_panic(envoy)
+                    }
+                    None => false,
+                }
+            }));
+            failed.unwrap_or_else(|_| {
+                ::log::error!("applying the failure mode after a panic panicked too");
+                false
+            })
         }
-    }));
-    if failed.is_err() {
-        ::log::error!("applying the failure mode after a panic panicked too");
+    };
+    if resume {
+        // SAFETY: `envoy` is this filter, in its own hook; nothing borrows the filter now.
+        unsafe { abi::envoy_dynamic_module_callback_http_filter_continue_decoding(envoy) }
     }
 }
 
