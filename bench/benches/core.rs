@@ -40,7 +40,7 @@ use tollgate_core::protocol::LeaseGranted;
 use tollgate_core::window::{self, CounterKind, Counters, Log, Window, MAX_LOG_LIMIT};
 use tollgate_engine::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
 use tollgate_engine::request::{RequestFacts, RequestSource};
-use tollgate_engine::shared::MemorySharedData;
+use tollgate_engine::shared::{MemorySharedData, StoreAt};
 use tollgate_engine::table::{Cells, SlotTable};
 
 /// The request's headers as the host hands them over: a list searched by name, as Envoy's
@@ -329,7 +329,7 @@ fn request_path(c: &mut Criterion) {
             b.iter(|| {
                 i = (i + 1) % tenants.len();
                 let plan = local.plan(&f, &tenants[i]);
-                let d = local.decide(&plan, &store, 10_000, Attempt::default());
+                let d = local.decide(&plan, StoreAt::new(&store, 10_000), Attempt::default());
                 assert_eq!(d.verdict, Verdict::Continue);
                 black_box(d)
             })
@@ -365,14 +365,14 @@ fn request_path(c: &mut Criterion) {
                 period_ms: 0,
             };
             global
-                .credit(&store, &need, &grant, 1, 10_000, true)
+                .credit(StoreAt::new(&store, 10_000), &need, &grant, 1, true)
                 .unwrap();
         }
         g.bench_function(name, |b| {
             b.iter(|| {
                 i = (i + 1) % tenants.len();
                 let plan = global.plan(&f, &tenants[i]);
-                let d = global.decide(&plan, &store, 10_000, Attempt::default());
+                let d = global.decide(&plan, StoreAt::new(&store, 10_000), Attempt::default());
                 assert_eq!(d.verdict, Verdict::Continue);
                 black_box(d)
             })

@@ -21,7 +21,7 @@ use tollgate_core::policy::Policies;
 use tollgate_core::protocol::LeaseGranted;
 use tollgate_engine::engine::{Attempt, Engine, LeaseNeed, Verdict, SHARED_PREFIX};
 use tollgate_engine::request::{RequestFacts, RequestSource};
-use tollgate_engine::shared::MemorySharedData;
+use tollgate_engine::shared::{MemorySharedData, StoreAt};
 use tollgate_engine::table::{Cells, SlotTable};
 
 use crate::config::{PolicyDoc, LOG_WINDOW, MAX_LOG_LIMIT, ROUTE};
@@ -237,7 +237,7 @@ fn admit(
 ) -> Result<(), String> {
     let mut attempt = Attempt::default();
     for _ in 0..3 {
-        let decision = engine.decide(plan, store, NOW_MS, attempt);
+        let decision = engine.decide(plan, StoreAt::new(store, NOW_MS), attempt);
         if let Some(error) = decision.table_error {
             return Err(format!("table {error:?}"));
         }
@@ -274,7 +274,7 @@ fn grant(
         period_ms: 0,
     };
     engine
-        .credit(store, need, &granted, seq, NOW_MS, true)
+        .credit(StoreAt::new(store, NOW_MS), need, &granted, seq, true)
         .map(|_| ())
         .map_err(|e| format!("credit: {e:?}"))
 }

@@ -15,7 +15,7 @@ mod settle;
 mod step;
 
 use crate::global::{self, DEADLINE_MARGIN_MS};
-use crate::shared::SharedData;
+use crate::shared::{SharedData, StoreAt};
 #[cfg(not(target_family = "wasm"))]
 use crate::table::Cells;
 use crate::table::{SlotTable, TableError};
@@ -374,12 +374,11 @@ impl Engine {
         self.policies.policies.get(index)
     }
 
-    /// Decides a plan against the shared table at `now_ms`.
+    /// Decides a plan against the shared table at `at.now_ms`.
     pub fn decide(
         &self,
         plan: &Plan,
-        store: &impl SharedData,
-        now_ms: u64,
+        at: StoreAt<'_, impl SharedData>,
         attempt: Attempt,
     ) -> Decision {
         let mut decision = Decision::new();
@@ -393,11 +392,11 @@ impl Engine {
             decision.verdict = Verdict::Reply(reply.clone());
             return decision;
         }
-        self.decide_enforced(plan, store, now_ms, attempt, &mut decision);
+        self.decide_enforced(plan, at, attempt, &mut decision);
         if decision.verdict == Verdict::Continue {
             // Shadow policies see the traffic that is admitted, each on its own.
             for matched in &plan.shadow {
-                self.decide_shadow(matched, store, now_ms, &mut decision);
+                self.decide_shadow(matched, at, &mut decision);
             }
         }
         decision
@@ -408,25 +407,25 @@ impl Engine {
     /// `global::apply_grant`).
     pub fn credit(
         &self,
-        store: &impl SharedData,
+        at: StoreAt<'_, impl SharedData>,
         need: &LeaseNeed,
         grant: &tollgate_core::protocol::LeaseGranted,
         seq: u64,
-        now_ms: u64,
         fresh: bool,
     ) -> Result<Option<ReturnNeed>, TableError> {
+        let now_ms = at.now_ms;
         let policy = self
             .policies
             .policies
             .get(need.policy)
             .map(|p| p.rated(&need.key));
-        let at = global::GrantTimes {
+        let times = global::GrantTimes {
             now_ms,
             asked_ms: need.asked_ms,
             windowed: policy.is_some_and(|p| p.algorithm.window().is_some()),
         };
-        self.table.update(store, &need.bucket_id, now_ms, |record| {
-            let displaced = global::apply_grant(record, grant, seq, at, fresh);
+        self.table.update(at, &need.bucket_id, |record| {
+            let displaced = global::apply_grant(record, grant, seq, times, fresh);
             global::pay_debt(&mut record.lease);
             if let Some(policy) = policy {
                 commit::mark_evictable(record, policy, now_ms);
@@ -444,11 +443,11 @@ impl Engine {
     /// request of this instance asks for it meanwhile.
     pub fn refresh_pending(
         &self,
-        store: &impl SharedData,
+        at: StoreAt<'_, impl SharedData>,
         need: &LeaseNeed,
-        now_ms: u64,
     ) -> Result<(), TableError> {
-        self.update_global(store, need, now_ms, |lease, settings| {
+        let now_ms = at.now_ms;
+        self.update_global(at, need, |lease, settings| {
             lease.pending_until_ms = now_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
             if global::assigned(lease, now_ms) {
                 lease.assigned_until_ms = lease.assigned_until_ms.max(lease.pending_until_ms);
@@ -459,21 +458,19 @@ impl Engine {
     /// Records that the limiter could not decide for a key.
     pub fn mark_unavailable(
         &self,
-        store: &impl SharedData,
+        at: StoreAt<'_, impl SharedData>,
         need: &LeaseNeed,
-        now_ms: u64,
     ) -> Result<(), TableError> {
-        self.update_global(store, need, now_ms, |lease, settings| {
-            global::apply_unavailable(lease, settings, now_ms)
+        self.update_global(at, need, |lease, settings| {
+            global::apply_unavailable(lease, settings, at.now_ms)
         })
     }
 
     /// Changes the lease bookkeeping of a global policy's record (nothing without a limiter).
     fn update_global(
         &self,
-        store: &impl SharedData,
+        at: StoreAt<'_, impl SharedData>,
         need: &LeaseNeed,
-        now_ms: u64,
         change: impl Fn(&mut crate::table::Lease, &LimiterSpec),
     ) -> Result<(), TableError> {
         let (Some(settings), Some(policy)) = (
@@ -485,9 +482,9 @@ impl Engine {
         ) else {
             return Ok(());
         };
-        self.table.update(store, &need.bucket_id, now_ms, |record| {
+        self.table.update(at, &need.bucket_id, |record| {
             change(&mut record.lease, settings);
-            commit::mark_evictable(record, policy, now_ms);
+            commit::mark_evictable(record, policy, at.now_ms);
         })
     }
 }

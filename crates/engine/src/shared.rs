@@ -7,6 +7,9 @@
 //! is unconditional; a write with a non-zero CAS to a *present* key fails with `CasMismatch`
 //! unless the stamps match; a write to a *missing* key succeeds whatever CAS is passed.
 //! There is no delete.
+//!
+//! [`StoreAt`] is what the engine and the table are handed for one host event: the store and
+//! the event's time, the two things every decision and table transaction needs together.
 
 /// Why a shared-data write did not happen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +42,30 @@ pub trait SharedData {
     /// missing keys).
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), WriteError>;
 }
+
+/// The shared data as one host event sees it: the store the table lives in and the time of the
+/// event. Named for what it is, the store *at* a moment: every decision, credit, settlement and
+/// table transaction reads and writes the store as of one `now_ms`, so the two travel together
+/// (passed by value: two words, no allocation, no extra indirection).
+pub struct StoreAt<'a, S: SharedData> {
+    pub store: &'a S,
+    pub now_ms: u64,
+}
+
+impl<'a, S: SharedData> StoreAt<'a, S> {
+    pub fn new(store: &'a S, now_ms: u64) -> Self {
+        Self { store, now_ms }
+    }
+}
+
+// By hand: a derive would ask `S: Clone + Copy` of the store itself.
+impl<S: SharedData> Clone for StoreAt<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<S: SharedData> Copy for StoreAt<'_, S> {}
 
 /// An in-process stand-in with Envoy's semantics, for unit tests and benchmarks of the table
 /// logic (feature `memory-shared-data` outside this crate's tests).

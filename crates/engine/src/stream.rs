@@ -12,7 +12,7 @@ use crate::global::DEADLINE_MARGIN_MS;
 use crate::metrics::Metrics;
 use crate::request::{RequestFacts, RequestSource};
 use crate::response_usage::ResponseUsage;
-use crate::shared::SharedData;
+use crate::shared::{SharedData, StoreAt};
 use crate::worker::{no_room_reply, shaped_ids, Admitted, Host, Worker};
 use std::borrow::Cow;
 use tollgate_core::policy::authority_host;
@@ -335,8 +335,8 @@ impl Stream {
     /// Decides a plan whose costs are known, and acts on the verdict.
     fn admit(&mut self, instance: &impl Instance, host: &impl StreamHost, mut plan: Plan) -> Flow {
         let engine = instance.engine();
-        let store = instance.store();
         let now = instance.now_ms();
+        let at = StoreAt::new(instance.store(), now);
         if plan
             .enforced
             .iter()
@@ -344,12 +344,12 @@ impl Stream {
         {
             instance.with_worker(|worker| worker.mark_room(engine, &mut plan));
         }
-        let mut decision = engine.decide(&plan, store, now, Attempt::default());
+        let mut decision = engine.decide(&plan, at, Attempt::default());
         if decision.verdict == Verdict::Wait && !self.start_waiting(instance, &plan, &decision, now)
         {
             // Too many requests wait already, or nobody could be woken to send the callout:
             // decide now, as if the limiter were unavailable.
-            decision = engine.decide(&plan, store, now, Attempt::NO_WAIT);
+            decision = engine.decide(&plan, at, Attempt::NO_WAIT);
         }
         if decision.verdict != Verdict::Wait
             && (!decision.needs.is_empty() || !decision.returns.is_empty())
@@ -429,7 +429,12 @@ fn apply(
     now: u64,
 ) {
     let engine = instance.engine();
-    match engine.finish(instance.store(), admission, usage, release, now) {
+    match engine.finish(
+        StoreAt::new(instance.store(), now),
+        admission,
+        usage,
+        release,
+    ) {
         Ok(done) => {
             instance.metrics().finished(admission.policy, &done);
             let global = engine

@@ -73,7 +73,7 @@ pub use record::{Lease, Record};
 #[cfg(not(target_family = "wasm"))]
 pub use cells::Cells;
 
-use crate::shared::{SharedData, WriteError};
+use crate::shared::{SharedData, StoreAt, WriteError};
 use std::collections::BTreeMap;
 #[cfg(not(target_family = "wasm"))]
 use std::sync::Arc;

@@ -36,7 +36,7 @@ pub use sleepers::{no_room_reply, shaped_ids};
 
 use crate::engine::{Admission, Decision, Engine, LeaseNeed, Plan, ReturnNeed};
 use crate::metrics::Metrics;
-use crate::shared::SharedData;
+use crate::shared::{SharedData, StoreAt};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tollgate_core::response::LocalReply;
@@ -90,6 +90,13 @@ pub struct Ctx<'a, S: SharedData, H: Host> {
     pub metrics: &'a Metrics,
     pub host: &'a H,
     pub now_ms: u64,
+}
+
+impl<'a, S: SharedData, H: Host> Ctx<'a, S, H> {
+    /// The shared table's store at the time of the event, as the engine takes it.
+    pub fn at(&self) -> StoreAt<'a, S> {
+        StoreAt::new(self.store, self.now_ms)
+    }
 }
 
 /// What an admitted request carries to its response: headers to add, and the admissions its

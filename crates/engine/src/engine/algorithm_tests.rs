@@ -40,8 +40,7 @@ fn facts() -> RequestFacts<'static> {
 fn admitted(e: &Engine, store: &MemorySharedData, tenant: &'static str, now: u64) -> bool {
     let d = e.decide(
         &e.plan(&facts(), &Tenant(tenant)),
-        store,
-        now,
+        StoreAt::new(store, now),
         Attempt::default(),
     );
     d.verdict == Verdict::Continue
@@ -84,8 +83,7 @@ fn a_denial_says_when_the_window_lets_it_pass() {
     count(&e, &store, "a", 10_250, 5);
     let d = e.decide(
         &e.plan(&facts(), &Tenant("a")),
-        &store,
-        10_250,
+        StoreAt::new(&store, 10_250),
         Attempt::default(),
     );
     let Verdict::Reply(reply) = d.verdict else {
@@ -105,7 +103,7 @@ fn shaping_spaces_admissions_and_refuses_past_max_delay_or_a_full_queue() {
     let plan = e.plan(&facts(), &Tenant("a"));
     let delays: Vec<Option<u64>> = (0..6)
         .map(|_| {
-            let d = e.decide(&plan, &store, 50_000, Attempt::default());
+            let d = e.decide(&plan, StoreAt::new(&store, 50_000), Attempt::default());
             (d.verdict == Verdict::Continue).then_some(d.delay_ms)
         })
         .collect();
@@ -116,10 +114,10 @@ fn shaping_spaces_admissions_and_refuses_past_max_delay_or_a_full_queue() {
     // A worker without room for another waiting request of the key: no delay, refused.
     let mut full = plan.clone();
     full.enforced[0].may_wait = false;
-    let d = e.decide(&full, &store, 50_300, Attempt::default());
+    let d = e.decide(&full, StoreAt::new(&store, 50_300), Attempt::default());
     assert!(matches!(d.verdict, Verdict::Reply(_)));
     // When the queue has drained, admissions are immediate again.
-    let d = e.decide(&plan, &store, 51_000, Attempt::default());
+    let d = e.decide(&plan, StoreAt::new(&store, 51_000), Attempt::default());
     assert_eq!(
         (d.verdict, d.delay_ms, d.delayed.len()),
         (Verdict::Continue, 0, 0)
@@ -176,7 +174,7 @@ fn a_shaped_global_policy_waits_against_its_assignment_not_a_callout() {
     let table = SlotTable::open(&store, SHARED_PREFIX, 64, 1).unwrap();
     let e = Engine::new(Policies::from_json(doc.as_bytes()).unwrap(), table);
     let plan = e.plan(&facts(), &Tenant("a"));
-    let first = e.decide(&plan, &store, 1_000, Attempt::default());
+    let first = e.decide(&plan, StoreAt::new(&store, 1_000), Attempt::default());
     assert_eq!(first.verdict, Verdict::Wait);
     // Over the limit: an assignment of 10 units/s for 10 s, nothing granted at once.
     let grant = tollgate_core::protocol::LeaseGranted {
@@ -188,11 +186,17 @@ fn a_shaped_global_policy_waits_against_its_assignment_not_a_callout() {
         share_per_s: 10.0,
         period_ms: 10_000,
     };
-    e.credit(&store, &first.needs[0], &grant, 1, 1_000, true)
-        .unwrap();
+    e.credit(
+        StoreAt::new(&store, 1_000),
+        &first.needs[0],
+        &grant,
+        1,
+        true,
+    )
+    .unwrap();
     let delays: Vec<Option<u64>> = (0..7)
         .map(|_| {
-            let d = e.decide(&plan, &store, 1_000, Attempt::default());
+            let d = e.decide(&plan, StoreAt::new(&store, 1_000), Attempt::default());
             assert!(
                 d.needs.iter().all(|n| !n.blocking),
                 "no request waits for a callout"
@@ -215,9 +219,9 @@ fn a_shaped_global_policy_waits_against_its_assignment_not_a_callout() {
     );
     // The drip pays the 5 units taken ahead: 600 ms later 6 dripped, one is free at once,
     // the next is 100 ms away.
-    let d = e.decide(&plan, &store, 1_600, Attempt::default());
+    let d = e.decide(&plan, StoreAt::new(&store, 1_600), Attempt::default());
     assert_eq!((d.verdict, d.delay_ms), (Verdict::Continue, 0));
-    let d = e.decide(&plan, &store, 1_600, Attempt::default());
+    let d = e.decide(&plan, StoreAt::new(&store, 1_600), Attempt::default());
     assert_eq!((d.verdict, d.delay_ms), (Verdict::Continue, 100));
 }
 
@@ -241,8 +245,7 @@ fn ask(
 ) -> Result<Vec<(String, String)>, tollgate_core::response::LocalReply> {
     let d = e.decide(
         &e.plan(&facts(), &Tenant("acme")),
-        store,
-        now,
+        StoreAt::new(store, now),
         Attempt::default(),
     );
     match d.verdict {
@@ -353,7 +356,7 @@ fn a_global_quota_resets_when_its_window_lease_ends() {
     let e = Engine::new(Policies::from_json(doc.as_bytes()).unwrap(), table);
     let plan = e.plan(&facts(), &Tenant("a"));
     let now = midnight(2027, 1, 31);
-    let first = e.decide(&plan, &store, now, Attempt::default());
+    let first = e.decide(&plan, StoreAt::new(&store, now), Attempt::default());
     assert_eq!(first.verdict, Verdict::Wait);
     // The limiter's answer: 10 units, spendable until the first of February (a day away).
     let grant = tollgate_core::protocol::LeaseGranted {
@@ -365,9 +368,9 @@ fn a_global_quota_resets_when_its_window_lease_ends() {
         share_per_s: 0.0,
         period_ms: 0,
     };
-    e.credit(&store, &first.needs[0], &grant, 1, now, true)
+    e.credit(StoreAt::new(&store, now), &first.needs[0], &grant, 1, true)
         .unwrap();
-    let d = e.decide(&plan, &store, now + 1_000, Attempt::default());
+    let d = e.decide(&plan, StoreAt::new(&store, now + 1_000), Attempt::default());
     assert_eq!(d.verdict, Verdict::Continue);
     assert_eq!(
         header(&d.response_headers, "ratelimit"),

@@ -9,7 +9,7 @@ use super::{
     Verdict,
 };
 use crate::global::DEADLINE_MARGIN_MS;
-use crate::shared::SharedData;
+use crate::shared::{SharedData, StoreAt};
 use crate::table::{Record, Txn};
 use std::cell::{Cell, RefCell};
 use tollgate_core::bucket::BucketState;
@@ -20,11 +20,11 @@ impl Engine {
     pub(super) fn decide_enforced(
         &self,
         plan: &Plan,
-        store: &impl SharedData,
-        now_ms: u64,
+        at: StoreAt<'_, impl SharedData>,
         attempt: Attempt,
         decision: &mut Decision,
     ) {
+        let now_ms = at.now_ms;
         // One enforced policy (the common case) takes no list on the heap.
         let (one_item, one_id);
         let (many_items, many_ids): (Vec<_>, Vec<&str>);
@@ -41,7 +41,7 @@ impl Engine {
                     return;
                 };
                 if self.is_lone_local(policy) {
-                    return self.decide_lone_local(m, policy, store, now_ms, decision);
+                    return self.decide_lone_local(m, policy, at, decision);
                 }
                 one_item = [(m, policy)];
                 one_id = [m.bucket_id.as_str()];
@@ -64,16 +64,15 @@ impl Engine {
         let admitted = Cell::new(false);
         let result =
             self.table.transact(
-                store,
+                at,
                 ids,
-                now_ms,
                 |records| {
                     let mut scratch = scratch.borrow_mut();
                     if attempts.replace(attempts.get() + 1) > 0 {
                         // A lost race decides again: only the last attempt's work counts.
                         *scratch = Scratch::default();
                     }
-                    let at = Moment {
+                    let moment = Moment {
                         now_ms,
                         attempt,
                         limiter: self.policies.limiter.as_ref(),
@@ -81,7 +80,7 @@ impl Engine {
                     let mut steps = steps.borrow_mut();
                     steps.clear();
                     steps.extend(items.iter().zip(records.iter_mut()).map(
-                        |((m, policy), record)| self.step(policy, m, record, at, &mut scratch),
+                        |((m, policy), record)| self.step(policy, m, record, moment, &mut scratch),
                     ));
                     let verdict = self.combine(
                         items,
@@ -168,16 +167,15 @@ impl Engine {
         &self,
         m: &Matched,
         policy: &Policy,
-        store: &impl SharedData,
-        now_ms: u64,
+        at: StoreAt<'_, impl SharedData>,
         decision: &mut Decision,
     ) {
+        let now_ms = at.now_ms;
         // The step reads the record; its spend and housekeeping are the only writes, made
         // after it returned (in place in the native cells: nothing is copied out and back).
         let result = self.table.transact_read(
-            store,
+            at,
             m.bucket_id.as_str(),
-            now_ms,
             |record| local_step(policy, m, record, now_ms),
             |step, record| {
                 if let Step::Allow { spend, .. } = step {
@@ -421,10 +419,10 @@ impl Engine {
     pub(super) fn decide_shadow(
         &self,
         matched: &Matched,
-        store: &impl SharedData,
-        now_ms: u64,
+        at: StoreAt<'_, impl SharedData>,
         decision: &mut Decision,
     ) {
+        let now_ms = at.now_ms;
         let Some(policy) = self
             .policies
             .policies
@@ -435,21 +433,20 @@ impl Engine {
         };
         let scratch = RefCell::new(Scratch::default());
         let result = self.table.transact(
-            store,
+            at,
             &[matched.bucket_id.as_str()],
-            now_ms,
             |records| {
                 let mut scratch = scratch.borrow_mut();
                 *scratch = Scratch::default();
                 let Some(record) = records.first_mut() else {
                     return Txn::Abort(Outcome::FailOpen);
                 };
-                let at = Moment {
+                let moment = Moment {
                     now_ms,
                     attempt: Attempt::default(),
                     limiter: self.policies.limiter.as_ref(),
                 };
-                let step = self.step(policy, matched, record, at, &mut scratch);
+                let step = self.step(policy, matched, record, moment, &mut scratch);
                 let outcome = match step {
                     Step::Allow { spend, outcome, .. } => {
                         apply_spend(&spend, record);

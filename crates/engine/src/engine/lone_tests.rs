@@ -102,7 +102,7 @@ proptest! {
                 for m in plan.enforced.iter_mut() {
                     m.may_wait = may_wait;
                 }
-                decided.push(e.decide(&plan, store, now, Attempt::default()));
+                decided.push(e.decide(&plan, StoreAt::new(store, now), Attempt::default()));
             }
             prop_assert_eq!(seen(&decided[0]), seen(&decided[1]), "{} at {}", algorithm, now);
             prop_assert!(decided[0].response_headers.is_empty());

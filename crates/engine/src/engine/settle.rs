@@ -11,7 +11,7 @@
 
 use super::step::bucket_limits;
 use super::{Admission, Engine, Spent};
-use crate::shared::SharedData;
+use crate::shared::{SharedData, StoreAt};
 use crate::table::TableError;
 use tollgate_core::bucket;
 use tollgate_core::policy::OnMissingUsage;
@@ -48,12 +48,12 @@ impl Engine {
     /// `release`), in one table update.
     pub fn finish(
         &self,
-        store: &impl SharedData,
+        at: StoreAt<'_, impl SharedData>,
         admission: &Admission,
         usage: Option<Usage>,
         release: bool,
-        now_ms: u64,
     ) -> Result<Settlement, TableError> {
+        let now_ms = at.now_ms;
         let Some(policy) = self
             .policies
             .policies
@@ -75,60 +75,58 @@ impl Engine {
         if actual.is_none() && slot.is_none() {
             return Ok(Settlement::default());
         }
-        self.table
-            .update(store, &admission.bucket_id, now_ms, |record| {
-                let mut out = Settlement {
-                    missing: usage == Some(Usage::Missing),
-                    ..Settlement::default()
-                };
-                if let (Some(actual), Some(settle)) = (actual, settle) {
-                    let reserved = admission.reserved;
-                    let done = match admission.spent {
-                        Spent::Bucket => {
-                            let limits = bucket_limits(policy);
-                            let (state, done) = bucket::settle(
-                                &limits,
-                                record.bucket,
-                                now_ms,
-                                reserved,
-                                actual,
-                                settle.max_debt,
-                            );
-                            record.bucket = Some(state);
-                            Some(done)
-                        }
-                        Spent::Lease => {
-                            let lease = &mut record.lease;
-                            let mut done = bucket::Settled::default();
-                            if actual <= reserved {
-                                done.refunded = reserved - actual;
-                                lease.tokens = lease.tokens.saturating_add(done.refunded);
-                            } else {
-                                let excess = actual - reserved;
-                                done.charged =
-                                    excess.min(settle.max_debt.saturating_sub(lease.debt));
-                                done.uncharged = excess - done.charged;
-                                lease.debt += done.charged;
-                            }
-                            crate::global::pay_debt(lease);
-                            Some(done)
-                        }
-                        // Admitted by a failure mode: nothing was taken, nothing goes back.
-                        Spent::Nothing => None,
-                    };
-                    if let Some(done) = done {
-                        out.settled = Some(actual);
-                        out.refunded = done.refunded;
-                        out.charged = done.charged;
-                        out.uncharged = done.uncharged;
+        self.table.update(at, &admission.bucket_id, |record| {
+            let mut out = Settlement {
+                missing: usage == Some(Usage::Missing),
+                ..Settlement::default()
+            };
+            if let (Some(actual), Some(settle)) = (actual, settle) {
+                let reserved = admission.reserved;
+                let done = match admission.spent {
+                    Spent::Bucket => {
+                        let limits = bucket_limits(policy);
+                        let (state, done) = bucket::settle(
+                            &limits,
+                            record.bucket,
+                            now_ms,
+                            reserved,
+                            actual,
+                            settle.max_debt,
+                        );
+                        record.bucket = Some(state);
+                        Some(done)
                     }
+                    Spent::Lease => {
+                        let lease = &mut record.lease;
+                        let mut done = bucket::Settled::default();
+                        if actual <= reserved {
+                            done.refunded = reserved - actual;
+                            lease.tokens = lease.tokens.saturating_add(done.refunded);
+                        } else {
+                            let excess = actual - reserved;
+                            done.charged = excess.min(settle.max_debt.saturating_sub(lease.debt));
+                            done.uncharged = excess - done.charged;
+                            lease.debt += done.charged;
+                        }
+                        crate::global::pay_debt(lease);
+                        Some(done)
+                    }
+                    // Admitted by a failure mode: nothing was taken, nothing goes back.
+                    Spent::Nothing => None,
+                };
+                if let Some(done) = done {
+                    out.settled = Some(actual);
+                    out.refunded = done.refunded;
+                    out.charged = done.charged;
+                    out.uncharged = done.uncharged;
                 }
-                if let Some((epoch, limit)) = slot {
-                    out.slots_expired = record.in_flight.advance(limit.timeout_ms, now_ms);
-                    out.released = record.in_flight.release(epoch, limit.timeout_ms, now_ms);
-                }
-                super::commit::mark_evictable(record, policy, now_ms);
-                out
-            })
+            }
+            if let Some((epoch, limit)) = slot {
+                out.slots_expired = record.in_flight.advance(limit.timeout_ms, now_ms);
+                out.released = record.in_flight.release(epoch, limit.timeout_ms, now_ms);
+            }
+            super::commit::mark_evictable(record, policy, now_ms);
+            out
+        })
     }
 }

@@ -55,12 +55,16 @@ const LOCAL: &str = r#"{"name":"llm","match":{"routes":["POST /v1/chat"]},
   "settle":{"from":{"header":"x-usage"},"max_debt":300}}"#;
 
 fn admit(e: &Engine, store: &MemorySharedData, r: &Req, now: u64) -> Decision {
-    e.decide(&e.plan(&facts(), r), store, now, Attempt::default())
+    e.decide(
+        &e.plan(&facts(), r),
+        StoreAt::new(store, now),
+        Attempt::default(),
+    )
 }
 
 fn tokens(e: &Engine, store: &MemorySharedData, now: u64) -> f64 {
     e.table()
-        .update(store, "llm:acme", now, |r| {
+        .update(StoreAt::new(store, now), "llm:acme", |r| {
             r.bucket.map_or(1000.0, |b| b.tokens)
         })
         .unwrap()
@@ -99,7 +103,12 @@ fn unused_units_come_back_and_excess_is_debt_until_repaid() {
     assert_eq!(tokens(&e, &store, 0), 900.0);
     // Reserved 100, used 30: 70 come back.
     let done = e
-        .finish(&store, &admission, Some(Usage::Known(30)), true, 0)
+        .finish(
+            StoreAt::new(&store, 0),
+            &admission,
+            Some(Usage::Known(30)),
+            true,
+        )
         .unwrap();
     assert_eq!((done.settled, done.refunded), (Some(30), 70));
     assert_eq!(tokens(&e, &store, 0), 970.0);
@@ -116,7 +125,12 @@ fn unused_units_come_back_and_excess_is_debt_until_repaid() {
     ));
     // One of them used 400 (300 over): the bucket goes to 70 - 300 = -230.
     let done = e
-        .finish(&store, &last.unwrap(), Some(Usage::Known(400)), true, 0)
+        .finish(
+            StoreAt::new(&store, 0),
+            &last.unwrap(),
+            Some(Usage::Known(400)),
+            true,
+        )
         .unwrap();
     assert_eq!((done.charged, done.uncharged), (300, 0));
     assert_eq!(tokens(&e, &store, 0), -230.0);
@@ -149,12 +163,14 @@ fn debt_is_bounded_and_a_missing_usage_follows_the_policy() {
     let b = admit(&e, &store, &r, 0).admissions.remove(0);
     // 0 tokens left; 1000 over the reservation, 300 charged, 700 uncharged.
     let done = e
-        .finish(&store, &a, Some(Usage::Known(1_500)), true, 0)
+        .finish(StoreAt::new(&store, 0), &a, Some(Usage::Known(1_500)), true)
         .unwrap();
     assert_eq!((done.charged, done.uncharged), (300, 700));
     assert_eq!(tokens(&e, &store, 0), -300.0);
     // `keep` (the default): the reservation stands.
-    let done = e.finish(&store, &b, Some(Usage::Missing), true, 0).unwrap();
+    let done = e
+        .finish(StoreAt::new(&store, 0), &b, Some(Usage::Missing), true)
+        .unwrap();
     assert_eq!(
         (done.settled, done.refunded, done.missing),
         (Some(500), 0, true)
@@ -167,7 +183,9 @@ fn debt_is_bounded_and_a_missing_usage_follows_the_policy() {
     );
     let (e, store) = engine(&refund, false);
     let a = admit(&e, &store, &r, 0).admissions.remove(0);
-    let done = e.finish(&store, &a, Some(Usage::Missing), true, 0).unwrap();
+    let done = e
+        .finish(StoreAt::new(&store, 0), &a, Some(Usage::Missing), true)
+        .unwrap();
     assert_eq!((done.settled, done.refunded), (Some(0), 500));
     assert_eq!(tokens(&e, &store, 0), 1000.0);
 }
@@ -262,7 +280,11 @@ fn in_flight_slots_refuse_release_and_expire() {
         Verdict::Continue
     );
     // A release frees one slot (the glue releases each admission once).
-    assert!(e.finish(&store, &a, None, true, 2_000).unwrap().released);
+    assert!(
+        e.finish(StoreAt::new(&store, 2_000), &a, None, true)
+            .unwrap()
+            .released
+    );
     let c = admit(&e, &store, &acme, 2_000).admissions.remove(0);
     assert!(matches!(
         admit(&e, &store, &acme, 2_000).verdict,
@@ -280,7 +302,9 @@ fn in_flight_slots_refuse_release_and_expire() {
     assert_eq!(later.slots_expired, vec![(0, 2)]);
     // A release after expiry frees nothing.
     for late in [&b, &c] {
-        let done = e.finish(&store, late, None, true, 12_600).unwrap();
+        let done = e
+            .finish(StoreAt::new(&store, 12_600), late, None, true)
+            .unwrap();
         assert!(!done.released);
         assert_eq!(done.slots_expired, 0);
     }
@@ -303,12 +327,11 @@ fn a_global_lease_takes_refunds_and_pays_debts_first() {
         share_per_s: 0.0,
         period_ms: 0,
     };
-    e.credit(&store, &d.needs[0], &grant(150), 1, 0, true)
+    e.credit(StoreAt::new(&store, 0), &d.needs[0], &grant(150), 1, true)
         .unwrap();
     let d = e.decide(
         &plan,
-        &store,
-        1,
+        StoreAt::new(&store, 1),
         Attempt {
             round: 1,
             deadline_passed: false,
@@ -318,7 +341,7 @@ fn a_global_lease_takes_refunds_and_pays_debts_first() {
     assert_eq!(d.admissions[0].spent, Spent::Lease);
     let lease = |now| {
         e.table()
-            .update(&store, "llm:acme", now, |rec| {
+            .update(StoreAt::new(&store, now), "llm:acme", |rec| {
                 (rec.lease.tokens, rec.lease.debt)
             })
             .unwrap()
@@ -326,14 +349,24 @@ fn a_global_lease_takes_refunds_and_pays_debts_first() {
     assert_eq!(lease(1), (50, 0));
     // Used 20: 80 back to this instance's lease.
     let done = e
-        .finish(&store, &d.admissions[0], Some(Usage::Known(20)), true, 2)
+        .finish(
+            StoreAt::new(&store, 2),
+            &d.admissions[0],
+            Some(Usage::Known(20)),
+            true,
+        )
         .unwrap();
     assert_eq!(done.refunded, 80);
     assert_eq!(lease(2), (130, 0));
     // Another used 400 (300 over): the lease pays 30 of it, 270 stay as debt.
     let d = admit(&e, &store, &r, 3);
     let done = e
-        .finish(&store, &d.admissions[0], Some(Usage::Known(400)), true, 3)
+        .finish(
+            StoreAt::new(&store, 3),
+            &d.admissions[0],
+            Some(Usage::Known(400)),
+            true,
+        )
         .unwrap();
     assert_eq!(done.charged, 300);
     assert_eq!(lease(3), (0, 270));
@@ -345,7 +378,7 @@ fn a_global_lease_takes_refunds_and_pays_debts_first() {
     assert!(!d.needs[0].blocking);
     assert_eq!(d.needs[0].min, 370);
     // The grant pays the debt first; what is left is spent.
-    e.credit(&store, &d.needs[0], &grant(400), 2, 101, true)
+    e.credit(StoreAt::new(&store, 101), &d.needs[0], &grant(400), 2, true)
         .unwrap();
     assert_eq!(lease(101), (130, 0));
     assert_eq!(admit(&e, &store, &r, 102).verdict, Verdict::Continue);

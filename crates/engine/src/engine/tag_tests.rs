@@ -44,8 +44,7 @@ const TAG: &str = r#","on_over_limit":{"action":"tag"}"#;
 fn decide(e: &Engine, store: &MemorySharedData, tenant: &'static str, now: u64) -> Decision {
     e.decide(
         &e.plan(&facts(), &Tenant(tenant)),
-        store,
-        now,
+        StoreAt::new(store, now),
         Attempt::default(),
     )
 }
@@ -227,7 +226,7 @@ fn decided_after_the_headers_went_on_a_tag_policy_refuses() {
     assert_eq!(decide(&e, &store, "acme", 0).verdict, Verdict::Continue);
     let mut plan = e.plan(&facts(), &Tenant("acme"));
     plan.after_headers = true;
-    let d = e.decide(&plan, &store, 0, Attempt::default());
+    let d = e.decide(&plan, StoreAt::new(&store, 0), Attempt::default());
     assert!(matches!(&d.verdict, Verdict::Reply(r) if r.status == 429));
     assert_eq!(d.outcomes.to_vec(), vec![(0, Outcome::Denied)]);
     assert!(d.request_headers.is_empty());

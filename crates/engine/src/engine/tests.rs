@@ -42,7 +42,11 @@ fn eval(
     store: &MemorySharedData,
     now: u64,
 ) -> Evaluated {
-    let d = e.decide(&e.plan(facts, req), store, now, Attempt::default());
+    let d = e.decide(
+        &e.plan(facts, req),
+        StoreAt::new(store, now),
+        Attempt::default(),
+    );
     Evaluated {
         reply: match &d.verdict {
             Verdict::Reply(r) => Some(r.clone()),

@@ -31,9 +31,8 @@ impl SlotTable {
     ) -> Result<Charged, TableError> {
         let ids: Vec<&str> = charges.iter().map(|c| c.bucket_id).collect();
         let done = self.transact(
-            store,
+            StoreAt::new(store, now),
             &ids,
-            now,
             |records| {
                 let decided: Vec<_> = charges
                     .iter()
@@ -511,9 +510,8 @@ fn insert(
     live_until: u64,
 ) -> Result<Transacted<()>, TableError> {
     table.transact(
-        store,
+        StoreAt::new(store, now),
         &[id],
-        now,
         |records| {
             for r in records.iter_mut() {
                 r.bucket = Some(BucketState {
@@ -1173,9 +1171,8 @@ fn a_reload_that_moves_keys_keeps_or_restarts_each_keys_state_never_mixes_it() {
             if round == 0 {
                 let found = table
                     .transact(
-                        &store,
+                        StoreAt::new(&store, now),
                         &[keys[i].as_str()],
-                        now,
                         |r| Txn::Abort(r[0].bucket.is_some()),
                         |_, _, _, _| {},
                     )
@@ -1403,9 +1400,8 @@ fn cells_place_new_keys_of_one_transaction_each_once() {
     // The warm record is idle: one of the eight takes its slot.
     let done = table
         .transact(
-            &store,
+            StoreAt::new(&store, 0),
             &refs,
-            0,
             |records| {
                 for r in records.iter_mut() {
                     r.evictable_at_ms = 1_000;
@@ -1425,7 +1421,12 @@ fn cells_place_new_keys_of_one_transaction_each_once() {
         Err(TableError::Full)
     );
     let aborted = table
-        .transact(&store, &refs, 0, |_| Txn::Abort(()), |_, _, _, _| {})
+        .transact(
+            StoreAt::new(&store, 0),
+            &refs,
+            |_| Txn::Abort(()),
+            |_, _, _, _| {},
+        )
         .unwrap();
     assert!(!aborted.committed);
     assert_eq!(cells.records().len(), 8);
@@ -1501,9 +1502,8 @@ fn a_panicking_decision_leaves_the_cells_as_they_were() {
     let before = cells.records();
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         table.transact(
-            &store,
+            StoreAt::new(&store, 0),
             &["p:a"],
-            0,
             |records| -> Txn<()> {
                 records[0].bucket = None;
                 panic!("a decision's bug");
@@ -1537,9 +1537,8 @@ fn a_read_decision_writes_in_place_and_a_panicking_one_leaves_the_cells_as_they_
     for tokens in [3.0, 1.0] {
         let done = table
             .transact_read(
-                &store,
+                StoreAt::new(&store, 0),
                 "p:a",
-                0,
                 |record| record.bucket.map(|b| b.tokens),
                 |_, record| take(tokens)(record),
                 |_, _, _, _| {},
@@ -1554,9 +1553,8 @@ fn a_read_decision_writes_in_place_and_a_panicking_one_leaves_the_cells_as_they_
     assert_eq!(before.len(), 1, "one key, one record");
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         table.transact_read(
-            &store,
+            StoreAt::new(&store, 0),
             "p:a",
-            0,
             |_| -> () { panic!("a decision's bug") },
             |_, record| take(0.0)(record),
             |_, _, _, _| {},
@@ -1566,7 +1564,13 @@ fn a_read_decision_writes_in_place_and_a_panicking_one_leaves_the_cells_as_they_
     assert_eq!(cells.records(), before);
     // The group's lock is usable after the panic.
     let read = table
-        .transact_read(&store, "p:a", 0, |r| r.bucket, |_, _| {}, |_, _, _, _| {})
+        .transact_read(
+            StoreAt::new(&store, 0),
+            "p:a",
+            |r| r.bucket,
+            |_, _| {},
+            |_, _, _, _| {},
+        )
         .unwrap();
     assert_eq!(read.value.map(|b| b.tokens), Some(1.0));
 }

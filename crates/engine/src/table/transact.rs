@@ -4,24 +4,24 @@
 use super::*;
 
 impl SlotTable {
-    /// Reads the records of `ids` (distinct; fresh records for keys without a slot), lets
-    /// `decide` change them, and writes the changed ones all-or-nothing. `decide` may run more
-    /// than once (after a lost race), always on fresh reads. `refund(i, before, after, current)`
-    /// undoes item `i`'s change on its current value when a later write lost a race.
+    /// Reads the records of `ids` (distinct; fresh records for keys without a slot) from the
+    /// store at `at.now_ms`, lets `decide` change them, and writes the changed ones
+    /// all-or-nothing. `decide` may run more than once (after a lost race), always on fresh
+    /// reads. `refund(i, before, after, current)` undoes item `i`'s change on its current value
+    /// when a later write lost a race.
     pub fn transact<T>(
         &self,
-        store: &impl SharedData,
+        at: StoreAt<'_, impl SharedData>,
         ids: &[&str],
-        now_ms: u64,
         decide: impl FnMut(&mut [Record]) -> Txn<T>,
         refund: impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<Transacted<T>, TableError> {
         #[cfg(not(target_family = "wasm"))]
         if let Some(cells) = &self.cells {
-            return self.transact_cells(cells, ids, now_ms, decide);
+            return self.transact_cells(cells, ids, at.now_ms, decide);
         }
         let mut buffers = Buffers::take();
-        let result = self.transact_in(&mut buffers, store, ids, now_ms, decide, refund);
+        let result = self.transact_in(&mut buffers, at, ids, decide, refund);
         buffers.give_back();
         result
     }
@@ -36,9 +36,8 @@ impl SlotTable {
     /// decision's write when a later write of its transaction lost a race.
     pub fn transact_read<T>(
         &self,
-        store: &impl SharedData,
+        at: StoreAt<'_, impl SharedData>,
         id: &str,
-        now_ms: u64,
         mut decide: impl FnMut(&Record) -> T,
         write: impl Fn(&T, &mut Record),
         refund: impl Fn(&T, &Record, &Record, &mut Record),
@@ -52,9 +51,8 @@ impl SlotTable {
         // The decision of the latest attempt: what the caller gets, and what a refund undoes.
         let last: std::cell::RefCell<Option<T>> = std::cell::RefCell::new(None);
         let done = self.transact(
-            store,
+            at,
             &[id],
-            now_ms,
             |records| {
                 let Some(record) = records.first_mut() else {
                     *last.borrow_mut() = None;
@@ -83,9 +81,8 @@ impl SlotTable {
     pub(super) fn transact_in<T>(
         &self,
         buffers: &mut Buffers,
-        store: &impl SharedData,
+        at: StoreAt<'_, impl SharedData>,
         ids: &[&str],
-        now_ms: u64,
         mut decide: impl FnMut(&mut [Record]) -> Txn<T>,
         refund: impl Fn(usize, &Record, &Record, &mut Record),
     ) -> Result<Transacted<T>, TableError> {
@@ -96,6 +93,7 @@ impl SlotTable {
             records,
             write,
         } = buffers;
+        let StoreAt { store, now_ms } = at;
         for _ in 0..MAX_ATTEMPTS {
             groups.clear();
             places.clear();
@@ -194,15 +192,13 @@ impl SlotTable {
     /// from a callout response.
     pub fn update<T>(
         &self,
-        store: &impl SharedData,
+        at: StoreAt<'_, impl SharedData>,
         id: &str,
-        now_ms: u64,
         mut update: impl FnMut(&mut Record) -> T,
     ) -> Result<T, TableError> {
         let result = self.transact(
-            store,
+            at,
             &[id],
-            now_ms,
             |records| match records.first_mut() {
                 Some(record) => Txn::Commit(Some(update(record))),
                 None => Txn::Abort(None),

@@ -96,7 +96,7 @@ impl Worker {
             .map(|mut a| {
                 a.retried = true;
                 self.inflight.remove(&a.need.bucket_id);
-                if let Err(error) = ctx.engine.refresh_pending(ctx.store, &a.need, ctx.now_ms) {
+                if let Err(error) = ctx.engine.refresh_pending(ctx.at(), &a.need) {
                     log::debug!("cannot mark a key as asking: {error:?}");
                 }
                 a
@@ -136,10 +136,7 @@ impl Worker {
                     if a.fresh && grant.share_per_s > 0.0 {
                         ctx.metrics.lease(need.policy, LeaseEvent::Assigned);
                     }
-                    match ctx
-                        .engine
-                        .credit(ctx.store, need, grant, a.seq, ctx.now_ms, a.fresh)
-                    {
+                    match ctx.engine.credit(ctx.at(), need, grant, a.seq, a.fresh) {
                         Ok(displaced) if grant.granted > 0 || grant.share_per_s > 0.0 => {
                             self.queued_returns.extend(displaced);
                             let at_ms = ctx.now_ms.saturating_add(grant.expires_ms);
@@ -166,7 +163,7 @@ impl Worker {
                         );
                     }
                     ctx.metrics.lease(need.policy, LeaseEvent::Unavailable);
-                    let _ = ctx.engine.mark_unavailable(ctx.store, need, ctx.now_ms);
+                    let _ = ctx.engine.mark_unavailable(ctx.at(), need);
                 }
                 _ => unanswered.push(a),
             }
@@ -192,7 +189,7 @@ impl Worker {
     ) {
         for a in items {
             ctx.metrics.lease(a.need.policy, LeaseEvent::Unavailable);
-            if let Err(error) = ctx.engine.mark_unavailable(ctx.store, &a.need, ctx.now_ms) {
+            if let Err(error) = ctx.engine.mark_unavailable(ctx.at(), &a.need) {
                 log::warn!("cannot record limiter outage for a key: {error:?}");
             }
             self.inflight.remove(&a.need.bucket_id);

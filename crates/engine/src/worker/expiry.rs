@@ -6,7 +6,7 @@ use super::{Ctx, Host, Watched, Worker, MAX_RETURNS_PER_TICK, MAX_WATCHED, RETUR
 use crate::engine::{Engine, ReturnNeed};
 use crate::global;
 use crate::metrics::LeaseEvent;
-use crate::shared::SharedData;
+use crate::shared::{SharedData, StoreAt};
 use crate::table::{TableError, Txn};
 
 impl Worker {
@@ -60,7 +60,7 @@ impl Worker {
             let Some(watched) = self.watched.remove(&bucket_id) else {
                 continue;
             };
-            match take_expired(ctx.engine, ctx.store, &bucket_id, ctx.now_ms) {
+            match take_expired(ctx.engine, ctx.at(), &bucket_id) {
                 Ok(LeaseExpiry::Taken { expiry, live_until }) => {
                     self.queued_returns.extend(ReturnNeed::of_expiry(
                         watched.policy,
@@ -112,14 +112,13 @@ enum LeaseExpiry {
 /// record's eviction time is left as it was: taking tokens out never makes it later.
 fn take_expired(
     engine: &Engine,
-    store: &impl SharedData,
+    at: StoreAt<'_, impl SharedData>,
     bucket_id: &str,
-    now_ms: u64,
 ) -> Result<LeaseExpiry, TableError> {
+    let now_ms = at.now_ms;
     let result = engine.table().transact(
-        store,
+        at,
         &[bucket_id],
-        now_ms,
         |records| {
             let Some(lease) = records.first_mut().map(|r| &mut r.lease) else {
                 return Txn::Abort(LeaseExpiry::Empty);

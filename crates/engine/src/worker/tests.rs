@@ -214,9 +214,9 @@ impl Rig {
     /// What the HTTP context does for a new request; returns the verdict.
     fn request(&mut self, context: u32, tenant: &'static str, now: u64) -> Verdict {
         let plan = self.plan(tenant);
-        let decision = self
-            .engine
-            .decide(&plan, &self.store, now, Attempt::default());
+        let decision =
+            self.engine
+                .decide(&plan, StoreAt::new(&self.store, now), Attempt::default());
         if decision.verdict == Verdict::Wait {
             assert!(self
                 .worker
@@ -526,7 +526,9 @@ fn a_renewed_lease_is_watched_until_its_new_expiry() {
     let first = rig
         .engine
         .table()
-        .update(&rig.store, &m.bucket_id, 1_000, |record| record.lease.seq)
+        .update(StoreAt::new(&rig.store, 1_000), &m.bucket_id, |record| {
+            record.lease.seq
+        })
         .unwrap();
     // Another worker's answer renews the lease at 1.5 s (5 more tokens, expiring at 3.5 s):
     // the first lease's 3 unspent tokens merge with them.
@@ -542,7 +544,7 @@ fn a_renewed_lease_is_watched_until_its_new_expiry() {
     };
     let displaced = rig
         .engine
-        .credit(&rig.store, &need, &grant, 77, 1_500, true)
+        .credit(StoreAt::new(&rig.store, 1_500), &need, &grant, 77, true)
         .unwrap();
     assert_eq!(displaced, None);
     // The watch at 2 s finds the first lease expired: its 3 tokens go back under its id, and
@@ -586,19 +588,19 @@ fn refills_merged_into_a_lease_return_every_unspent_token_under_its_lease_id() {
     let spend = |rig: &Rig, units: u64, now: u64| {
         rig.engine
             .table()
-            .update(&rig.store, &m.bucket_id, now, |record| {
+            .update(StoreAt::new(&rig.store, now), &m.bucket_id, |record| {
                 record.lease.tokens -= units;
             })
             .unwrap();
     };
     // A big lease, mostly unspent when a small refill merges into it.
     rig.engine
-        .credit(&rig.store, &need, &grant(10), 1, 0, true)
+        .credit(StoreAt::new(&rig.store, 0), &need, &grant(10), 1, true)
         .unwrap();
     spend(&rig, 3, 10);
     let displaced = rig
         .engine
-        .credit(&rig.store, &need, &grant(2), 2, 100, true)
+        .credit(StoreAt::new(&rig.store, 100), &need, &grant(2), 2, true)
         .unwrap();
     assert_eq!(displaced, None, "two lease ids are kept");
     // The oldest tokens are spent first: 4 of lease 1's 7.
@@ -606,21 +608,21 @@ fn refills_merged_into_a_lease_return_every_unspent_token_under_its_lease_id() {
     // Lease 2 expires at 2.1 s, lease 1 at 2 s: a request after both takes everything.
     let d = rig
         .engine
-        .decide(&plan, &rig.store, 2_200, Attempt::default());
+        .decide(&plan, StoreAt::new(&rig.store, 2_200), Attempt::default());
     let mut returned: Vec<_> = d.returns.iter().map(|r| (r.seq, r.unused)).collect();
     returned.sort_unstable();
     assert_eq!(returned, vec![(1, 3), (2, 2)]);
     assert!(d.expired.is_empty(), "nothing expires: {:?}", d.expired);
     // A third lease while two are unspent: the oldest one's part goes back at once.
     rig.engine
-        .credit(&rig.store, &need, &grant(10), 3, 3_000, true)
+        .credit(StoreAt::new(&rig.store, 3_000), &need, &grant(10), 3, true)
         .unwrap();
     rig.engine
-        .credit(&rig.store, &need, &grant(1), 4, 3_100, true)
+        .credit(StoreAt::new(&rig.store, 3_100), &need, &grant(1), 4, true)
         .unwrap();
     let displaced = rig
         .engine
-        .credit(&rig.store, &need, &grant(1), 5, 3_200, true)
+        .credit(StoreAt::new(&rig.store, 3_200), &need, &grant(1), 5, true)
         .unwrap()
         .map(|r| (r.seq, r.unused));
     assert_eq!(displaced, Some((3, 10)));
@@ -819,7 +821,9 @@ fn one_request_per_instance_asks_for_a_key_and_other_workers_wait_for_it() {
     assert_eq!(lease_callouts(&rig), 1);
     // The second worker's request finds the key being asked for: it waits, asking nothing.
     let plan = rig.plan("t");
-    let decision = rig.engine.decide(&plan, &rig.store, 1, Attempt::default());
+    let decision = rig
+        .engine
+        .decide(&plan, StoreAt::new(&rig.store, 1), Attempt::default());
     assert_eq!(decision.verdict, Verdict::Wait);
     assert!(decision.needs.is_empty());
     assert!(other.wait(9, plan, &decision, 36, Default::default()));
@@ -847,7 +851,7 @@ fn a_late_denial_never_hides_tokens_the_instance_holds() {
         period_ms: 0,
     };
     rig.engine
-        .credit(&rig.store, &need, &grant, 1, 0, true)
+        .credit(StoreAt::new(&rig.store, 0), &need, &grant, 1, true)
         .unwrap();
     let denial = LeaseGranted {
         id: "b".into(),
@@ -856,9 +860,11 @@ fn a_late_denial_never_hides_tokens_the_instance_holds() {
         ..grant
     };
     rig.engine
-        .credit(&rig.store, &need, &denial, 2, 1, true)
+        .credit(StoreAt::new(&rig.store, 1), &need, &denial, 2, true)
         .unwrap();
-    let d = rig.engine.decide(&plan, &rig.store, 2, Attempt::default());
+    let d = rig
+        .engine
+        .decide(&plan, StoreAt::new(&rig.store, 2), Attempt::default());
     assert_eq!(d.verdict, Verdict::Continue);
 }
 

@@ -71,9 +71,7 @@ impl Worker {
             round: waiter.round + 1,
             deadline_passed,
         };
-        let decision = ctx
-            .engine
-            .decide(&waiter.plan, ctx.store, ctx.now_ms, attempt);
+        let decision = ctx.engine.decide(&waiter.plan, ctx.at(), attempt);
         self.queue(&decision);
         match &decision.verdict {
             Verdict::Wait => {
