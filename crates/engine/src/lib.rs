@@ -10,9 +10,10 @@
 //! callouts, `table` the bounded per-key records shared by Envoy's workers.
 //!
 //! Nothing here calls a host directly: time comes in as an argument, storage is the
-//! [`shared::SharedData`] trait, stats go to the [`metrics::sink`] a host installs, callouts
-//! and replies go through the [`worker::Host`], [`stream::Instance`] and [`stream::StreamHost`]
-//! traits, so all of it is unit-tested natively.
+//! [`shared::SharedData`] trait (the two handed on together as a [`shared::StoreAt`]), stats
+//! go to the [`metrics::sink`] a host installs, callouts and replies go through the
+//! [`worker::Host`], [`stream::Instance`] and [`stream::StreamHost`] traits, so all of it is
+//! unit-tested natively.
 
 #![forbid(unsafe_code)]
 
