@@ -89,12 +89,12 @@ pub fn escape_part(raw: &[u8]) -> String {
 pub fn escape_part_into(out: &mut String, raw: &[u8]) {
     // The common case: a short part of plain (ASCII) bytes only, copied as it is.
     if raw.len() <= MAX_PART_BYTES && raw.iter().all(|b| is_plain(*b)) {
-        // Plain bytes are ASCII: pushed as chars, with no UTF-8 check.
-        out.reserve(raw.len());
-        for &byte in raw {
-            out.push(char::from(byte));
+        // Plain bytes are ASCII, so valid UTF-8: appended in one copy (the check passes at
+        // once on ASCII).
+        if let Ok(plain) = std::str::from_utf8(raw) {
+            out.push_str(plain);
+            return;
         }
-        return;
     }
     let escaped_len: usize = raw.iter().map(|b| if is_plain(*b) { 1 } else { 3 }).sum();
     if escaped_len > MAX_PART_BYTES {
