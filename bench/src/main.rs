@@ -92,6 +92,23 @@ struct Args {
     write: bool,
 }
 
+/// What `--help` prints (the flags; the scenarios are described at the top of this file).
+const USAGE: &str = "\
+usage: tollgate-bench [FLAGS]                 (or `just bench [FLAGS]`)
+       tollgate-bench chart [--out DIR] FILE...
+       tollgate-bench shared-state [KEYS]
+
+Runs the scenarios in interleaved rounds and writes bench/results/latest.{md,json}.
+  --rounds N         rounds (3)               --seconds S      seconds per run (5)
+  --warmup S         warm-up seconds (2)      --connections N  wrk connections (64)
+  --threads N        wrk threads (1)          --concurrency N  Envoy workers (1)
+  --tenants N        tenants (100)            --distribution zipf|uniform (zipf)
+  --only IDS         scenario ids, e.g. 1,3,4,4n or 5,6,8 (7: the over-limit run)
+  --s7-seconds S     scenario 7 per variant and round (8)
+  --out DIR          where results go (bench/results)
+  --no-write         print only
+Scenario ids: 1 2 3 4 4s 4f 4w 4l 5 5s 5t 5h 6 8 1u 5u 3n 4n 5n 7 (see bench/src/main.rs).";
+
 fn args() -> Args {
     args_from(std::env::args().skip(1).collect())
 }
@@ -135,7 +152,14 @@ fn args_from(argv: Vec<String>) -> Args {
             "--out" => a.out = PathBuf::from(value()),
             "--no-write" => a.write = false,
             "--bench" => {} // passed by `cargo bench`
-            other => panic!("unknown flag {other} (see bench/src/main.rs)"),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => {
+                eprintln!("unknown flag {other}\n\n{USAGE}");
+                std::process::exit(2);
+            }
         }
     }
     assert!(
