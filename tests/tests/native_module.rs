@@ -6,7 +6,8 @@
     clippy::indexing_slicing
 )]
 //! The native build as a module: the pinned Envoy loads `libtollgate_native.so` and reports the
-//! ABI version matched, the module's start check finds every callback it uses, a host without
+//! ABI version matched, the names of the module's callbacks and hooks are ones that Envoy
+//! exports and looks up, the module's start check finds every callback it uses, a host without
 //! them is refused at start with a line naming them, and what the native build cannot do (jwt
 //! claims from nested metadata, as a key part or a condition) is refused at load, never
 //! half-done.
@@ -205,5 +206,85 @@ fn a_host_without_the_callbacks_is_refused_at_start() {
     assert!(
         stderr.contains("envoy_dynamic_module_callback_http_filter_config_http_callout"),
         "the refusal names what is missing: {stderr}"
+    );
+}
+
+/// The names `envoy_dynamic_module_*` a binary holds as NUL-terminated strings: the symbols it
+/// exports (its dynamic string table) and the C string literals it looks symbols up by.
+fn abi_names(binary: &std::path::Path) -> std::collections::BTreeSet<String> {
+    const PREFIX: &[u8] = b"envoy_dynamic_module_";
+    let bytes = std::fs::read(binary).unwrap_or_else(|e| panic!("{}: {e}", binary.display()));
+    bytes
+        .split(|b| *b == 0)
+        .filter_map(|s| {
+            let start = s.windows(PREFIX.len()).position(|w| w == PREFIX)?;
+            let name = &s[start..];
+            name.iter()
+                .all(|b| b.is_ascii_alphanumeric() || *b == b'_')
+                .then(|| String::from_utf8_lossy(name).into_owned())
+        })
+        .collect()
+}
+
+/// The callbacks the module calls, as `crates/native/src/abi.rs` declares them (they are looked
+/// up by name when the module starts, so the built module holds them only as unterminated
+/// string constants).
+fn declared_callbacks() -> Vec<String> {
+    const MARK: &str = "fn envoy_dynamic_module_callback_";
+    let path = tollgate_e2e::paths::workspace_root().join("crates/native/src/abi.rs");
+    let source = std::fs::read_to_string(&path).unwrap();
+    source
+        .match_indices(MARK)
+        .map(|(at, _)| {
+            let name = &source[at + "fn ".len()..];
+            let end = name
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(name.len());
+            name[..end].to_string()
+        })
+        .collect()
+}
+
+/// Checks the hand-written ABI against the pinned Envoy binary itself: every callback
+/// `abi.rs` declares is a function that Envoy exports, and every event hook the built module
+/// exports is a name Envoy looks up (a hook renamed in a new ABI would otherwise never be
+/// called, and nothing would say so). The argument lists cannot be read from a binary: the
+/// end-to-end suites exercise them.
+#[test]
+fn every_callback_and_hook_name_is_one_the_pinned_envoy_knows() {
+    let envoy = abi_names(&tollgate_e2e::paths::envoy_bin());
+    let module = abi_names(&native_dir().join("libtollgate_native.so"));
+    let hooks: Vec<&String> = module
+        .iter()
+        .filter(|n| n.starts_with("envoy_dynamic_module_on_"))
+        .collect();
+    let callbacks = declared_callbacks();
+    // The module exports its program init and the HTTP filter's hooks, and calls dozens of
+    // callbacks: finding few means the scan is broken, not that the ABI is fine.
+    assert!(hooks.len() >= 10, "module hooks found: {hooks:?}");
+    assert!(callbacks.len() >= 20, "declared callbacks: {callbacks:?}");
+    assert!(envoy.len() >= 100, "names in Envoy: {}", envoy.len());
+    assert!(
+        !envoy.contains("envoy_dynamic_module_on_http_filter_no_such_hook"),
+        "the scan must tell names apart"
+    );
+    let unknown_hooks: Vec<&&String> = hooks.iter().filter(|n| !envoy.contains(**n)).collect();
+    assert!(
+        unknown_hooks.is_empty(),
+        "hooks the module exports that this Envoy never looks up: {unknown_hooks:?}"
+    );
+    let missing: Vec<&String> = callbacks.iter().filter(|n| !envoy.contains(*n)).collect();
+    assert!(
+        missing.is_empty(),
+        "callbacks abi.rs declares that this Envoy does not export: {missing:?}"
+    );
+    // The ABI version the module reports is the one this Envoy carries.
+    let version = format!("\0{ABI_VERSION}\0");
+    let binary = std::fs::read(tollgate_e2e::paths::envoy_bin()).unwrap();
+    assert!(
+        binary
+            .windows(version.len())
+            .any(|w| w == version.as_bytes()),
+        "{ABI_VERSION} is not a string of this Envoy"
     );
 }

