@@ -80,7 +80,7 @@ check-policies *files="policies/*.json": build-limiter
 lint: deny
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets --features tollgate-e2e/e2e,tollgate-limiter/e2e,tollgate-bench/micro -- -D warnings
-    cargo clippy -p tollgate -p tollgate-core --target wasm32-wasip1 -- -D warnings
+    cargo clippy -p tollgate -p tollgate-engine -p tollgate-core --target wasm32-wasip1 -- -D warnings
 
 # Licenses, banned or duplicate crates, and sources of every dependency (deny.toml).
 deny:

@@ -1,10 +1,10 @@
 //! The filter's decision for one request, free of proxy-wasm so it is tested natively.
 //!
-//! The request path, a file each: [`plan`] matches policies, builds keys and estimates costs
-//! once per request; [`step`] asks each policy's record what it says (in-flight slots, the
+//! The request path, a file each (`engine/`): `plan` matches policies, builds keys and estimates costs
+//! once per request; `step` asks each policy's record what it says (in-flight slots, the
 //! local stage's token bucket, the global stage's lease or assignment, the failure-mode
-//! wrapper); [`commit`] combines the steps into the verdict and writes the records
-//! all-or-nothing; [`settle`] applies what the response says the request really cost, and
+//! wrapper); `commit` combines the steps into the verdict and writes the records
+//! all-or-nothing; `settle` applies what the response says the request really cost, and
 //! frees its in-flight slot, when the stream ends. A request that must wait for the limiter
 //! gets [`Verdict::Wait`] plus the leases to ask for; the glue (`worker`) decides the same plan
 //! again when the limiter has answered, and credits answers through [`Engine::credit`].

@@ -9,7 +9,7 @@
 //! without regions) use the whole table.
 //!
 //! **Placement.** A key has [`PROBE_GROUPS`] distinct candidate groups in its region, chosen by a
-//! hash keyed by a per-process salt (SipHash-1-3, [`hash`]: clients that do not know the salt
+//! hash keyed by a per-process salt (SipHash-1-3, `table/hash.rs`: clients that do not know the salt
 //! cannot aim at each other's slots; the tests `hostile_id_sets_cannot_concentrate_keys` and
 //! `ids_aimed_with_a_guessed_salt_do_not_concentrate` bound any group's share), always probed
 //! in the same order, and it lives in one slot of one of them. A lookup reads the candidates in
@@ -84,7 +84,7 @@ use tollgate_core::window::{Counters, Log};
 /// Slots per group: the slots under one CAS stamp.
 pub const GROUP_SLOTS: usize = 4;
 /// Candidate groups of a key (fewer in a region of fewer groups), each from a word of the
-/// id's keyed hash ([`hash`]).
+/// id's keyed hash (`table/hash.rs`).
 pub const PROBE_GROUPS: usize = 4;
 /// Attempts at a CAS transaction before giving up with [`TableError::Contended`].
 pub const MAX_ATTEMPTS: u32 = 8;
@@ -452,7 +452,7 @@ impl SlotTable {
     }
 
     /// The same table with its records kept typed in `cells` (sized by
-    /// [`SlotTable::groups_needed`]) instead of the shared-data store: see [`cells`]. The
+    /// [`SlotTable::groups_needed`]) instead of the shared-data store: see `table/cells.rs`. The
     /// store still holds the salt. Cells with fewer groups than the table spans are refused.
     #[cfg(not(target_family = "wasm"))]
     pub fn in_cells(mut self, cells: Arc<Cells>) -> Result<Self, TableError> {

@@ -48,7 +48,7 @@ const OTHER_NODE: &str = "(other)";
 /// `--hot-key-salt-file`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HotKeySettings {
-    /// Keys reported per policy (1 to [`MAX_TOP`]).
+    /// Keys reported per policy (1 to `MAX_TOP`).
     pub top: usize,
     /// A key taking more than this share of its node's lease calls over the last minute is
     /// logged (`0 < share ≤ 1`).

@@ -139,9 +139,9 @@ pub fn rls_key(domain: &str, entries: &[(&str, &str)]) -> String {
 }
 
 /// Redis key of the fixed window of `window_ms` an RLS bucket (wire key `key`, [`rls_key`])
-/// is counted in: [`state_key`] of a fixed window under [`RLS_POLICY`], built in one step
+/// is counted in: `state_key` of a fixed window under [`RLS_POLICY`], built in one step
 /// (the RateLimitService builds one per counted descriptor). `tollgate.lua`'s
-/// `tollgate_v4_count` keeps each window's count under it plus [`FIXED_COUNT_SUFFIX`] and the
+/// `tollgate_v4_count` keeps each window's count under it plus `FIXED_COUNT_SUFFIX` and the
 /// window's index, like a fixed window's lease.
 pub fn rls_window_key(key: &str, window_ms: u64) -> String {
     format!(

@@ -10,7 +10,7 @@
 //!
 //! Credentials Redis refuses (a certificate it does not trust, one we do not trust, a wrong
 //! password) are not transient: the same attempt fails the same way until someone changes a
-//! file or an ACL. [`Refusals`] makes a store stop dialing Redis for a while after one, so
+//! file or an ACL. `Refusals` makes a store stop dialing Redis for a while after one, so
 //! every call (and `/readyz`) answers at once with the specific reason instead of a fresh
 //! handshake per call.
 //!
@@ -19,7 +19,7 @@
 //! - `pem`: reading the PEM files a flag names (also the regional limiter's parent TLS);
 //! - `redact`: URLs fit to print;
 //! - `classify`: which Redis errors are refused credentials;
-//! - `refusals`: holding a store back after a refusal ([`Refusals`]).
+//! - `refusals`: holding a store back after a refusal (`Refusals`).
 
 mod classify;
 mod credentials;
