@@ -36,11 +36,8 @@
 //! 1–6, 8, 4s, 5s, 4f, 4w, 4l, 5t and the native ones never deny (4l's report line says so if it did). Every
 //! process is killed when the driver exits (the harness ties children to it), also on Ctrl-C.
 //!
-//! Flags: --rounds N (3) --seconds S (5) --warmup S (2) --connections N (64) --threads N (1)
-//! --concurrency N (Envoy workers, 1) --tenants N (100) --distribution zipf|uniform (zipf)
-//! --only 1,2,5 (scenario ids, e.g. `--only 5,5t`, `--only 4,4s,5,5s`, `--only 4,4f,4w,4l` or
-//! `--only 5,6,8`; 7 for the over-limit run) --s7-seconds S (8, per variant and round: 3 rounds
-//! take about 80 s) --out DIR (bench/results) --no-write (print only).
+//! Flags: [`USAGE`] (`tollgate-bench --help`). Scenario 7 runs `--s7-seconds` per variant and
+//! round: 3 rounds take about 80 s.
 //!
 //! Besides latest.{md,json} a run writes `ratios.svg` (when it has ratios to S3) and
 //! `overload.svg` (when it ran scenario 7) into --out. `tollgate-bench chart [--out DIR]

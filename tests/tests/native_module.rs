@@ -209,11 +209,15 @@ fn a_host_without_the_callbacks_is_refused_at_start() {
     );
 }
 
+/// A binary's bytes.
+fn read_binary(path: &std::path::Path) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// The names `envoy_dynamic_module_*` a binary holds as NUL-terminated strings: the symbols it
 /// exports (its dynamic string table) and the C string literals it looks symbols up by.
-fn abi_names(binary: &std::path::Path) -> std::collections::BTreeSet<String> {
+fn abi_names(bytes: &[u8]) -> std::collections::BTreeSet<String> {
     const PREFIX: &[u8] = b"envoy_dynamic_module_";
-    let bytes = std::fs::read(binary).unwrap_or_else(|e| panic!("{}: {e}", binary.display()));
     bytes
         .split(|b| *b == 0)
         .filter_map(|s| {
@@ -252,8 +256,9 @@ fn declared_callbacks() -> Vec<String> {
 /// end-to-end suites exercise them.
 #[test]
 fn every_callback_and_hook_name_is_one_the_pinned_envoy_knows() {
-    let envoy = abi_names(&tollgate_e2e::paths::envoy_bin());
-    let module = abi_names(&native_dir().join("libtollgate_native.so"));
+    let binary = read_binary(&tollgate_e2e::paths::envoy_bin());
+    let envoy = abi_names(&binary);
+    let module = abi_names(&read_binary(&native_dir().join("libtollgate_native.so")));
     let hooks: Vec<&String> = module
         .iter()
         .filter(|n| n.starts_with("envoy_dynamic_module_on_"))
@@ -280,7 +285,6 @@ fn every_callback_and_hook_name_is_one_the_pinned_envoy_knows() {
     );
     // The ABI version the module reports is the one this Envoy carries.
     let version = format!("\0{ABI_VERSION}\0");
-    let binary = std::fs::read(tollgate_e2e::paths::envoy_bin()).unwrap();
     assert!(
         binary
             .windows(version.len())

@@ -227,7 +227,27 @@ unsafe fn filter_mut<'a>(ptr: *const c_void) -> Option<&'a mut NativeFilter> {
     unsafe { ptr.cast::<NativeFilter>().cast_mut().as_mut() }
 }
 
-/// Runs `body` on the filter, with its configuration's stats current.
+/// Runs `body` on the filter with its configuration's stats current, or `none` when there is
+/// no filter (a null pointer).
+///
+/// # Safety
+/// As for [`filter_mut`].
+unsafe fn with_filter<T>(
+    ptr: *const c_void,
+    body: impl FnOnce(&mut NativeFilter) -> T,
+    none: impl FnOnce() -> T,
+) -> T {
+    // SAFETY: the caller's guarantee.
+    match unsafe { filter_mut(ptr) } {
+        Some(filter) => {
+            stats::enter(filter.config.envoy.0);
+            body(filter)
+        }
+        None => none(),
+    }
+}
+
+/// Runs `body` on the filter, with its configuration's stats current; `default` if it panics.
 ///
 /// # Safety
 /// As for [`filter_mut`].
@@ -236,16 +256,8 @@ unsafe fn on_filter<T: Copy>(
     default: T,
     body: impl FnOnce(&mut NativeFilter) -> T,
 ) -> T {
-    guard(default, || {
-        // SAFETY: the caller's guarantee.
-        match unsafe { filter_mut(ptr) } {
-            Some(filter) => {
-                stats::enter(filter.config.envoy.0);
-                body(filter)
-            }
-            None => default,
-        }
-    })
+    // SAFETY: the caller's guarantee.
+    guard(default, || unsafe { with_filter(ptr, body, || default) })
 }
 
 /// Runs the decision of hook `hook` on the filter; a panic gives the request its policies'
@@ -260,16 +272,13 @@ unsafe fn decide(
     body: impl FnOnce(&mut NativeFilter) -> Flow,
 ) -> Flow {
     let decided = catch_unwind(AssertUnwindSafe(|| {
+        let run = |filter: &mut NativeFilter| {
+            #[cfg(feature = "panic-injection")]
+            filter::inject_panic(envoy, hook);
+            body(filter)
+        };
         // SAFETY: the caller's guarantee.
-        match unsafe { filter_mut(ptr) } {
-            Some(filter) => {
-                stats::enter(filter.config.envoy.0);
-                #[cfg(feature = "panic-injection")]
-                filter::inject_panic(envoy, hook);
-                body(filter)
-            }
-            None => Flow::Continue,
-        }
+        unsafe { with_filter(ptr, run, || Flow::Continue) }
     }));
     if let Ok(flow) = decided {
         return flow;
@@ -279,12 +288,12 @@ unsafe fn decide(
     );
     let failed = catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: the caller's guarantee (the filter outlives its hooks, a panic or not).
-        match unsafe { filter_mut(ptr) } {
-            Some(f) => {
-                stats::enter(f.config.envoy.0);
-                filter::after_panic(&f.config, envoy)
-            }
-            None => filter::refuse_after_panic(envoy),
+        unsafe {
+            with_filter(
+                ptr,
+                |f| filter::after_panic(&f.config, envoy),
+                || filter::refuse_after_panic(envoy),
+            )
         }
     }));
     failed.unwrap_or_else(|_| {
@@ -409,16 +418,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     // not leave it held until Envoy's timeout. The filter is borrowed only inside each closure:
     // continuing the request runs the rest of the chain, which may call this filter's hooks.
     let ran = catch_unwind(AssertUnwindSafe(|| {
+        let run = |filter: &mut NativeFilter| {
+            #[cfg(feature = "panic-injection")]
+            filter::inject_panic(envoy, "scheduled");
+            filter.on_scheduled(envoy)
+        };
         // SAFETY: Envoy passes this filter's pointers.
-        match unsafe { filter_mut(ptr) } {
-            Some(filter) => {
-                stats::enter(filter.config.envoy.0);
-                #[cfg(feature = "panic-injection")]
-                filter::inject_panic(envoy, "scheduled");
-                filter.on_scheduled(envoy)
-            }
-            None => false,
-        }
+        unsafe { with_filter(ptr, run, || false) }
     }));
     let resume = match ran {
         Ok(resume) => resume,
@@ -428,13 +434,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
             );
             let failed = catch_unwind(AssertUnwindSafe(|| {
                 // SAFETY: as above (the filter outlives its hooks, a panic or not).
-                match unsafe { filter_mut(ptr) } {
-                    Some(filter) => {
-                        stats::enter(filter.config.envoy.0);
-                        filter.release_after_panic(envoy)
-                    }
-                    None => false,
-                }
+                unsafe { with_filter(ptr, |f| f.release_after_panic(envoy), || false) }
             }));
             failed.unwrap_or_else(|_| {
                 ::log::error!("applying the failure mode after a panic panicked too");
