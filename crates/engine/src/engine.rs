@@ -224,6 +224,10 @@ pub struct LeaseNeed {
     pub demand_per_s: f64,
     /// A request waits for it (else it is a background refill, renewal or recovery probe).
     pub blocking: bool,
+    /// A refill of a lease that still holds a quarter of its grant: it may wait up to
+    /// [`global::REFILL_LINGER_MS`] for other needs to share its callout (renewals of an
+    /// assignment and probes go at once: the drip stops when a renewal is asked for).
+    pub may_linger: bool,
     /// When it was asked for (no later than its callout is sent): a window's lease expires
     /// measured from then (`global::apply_grant`).
     pub asked_ms: u64,

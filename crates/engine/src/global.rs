@@ -13,6 +13,12 @@ use tollgate_core::protocol::{
 /// deadline answers it with the failure mode.
 pub const DEADLINE_MARGIN_MS: u64 = 10;
 
+/// How long a background refill may wait for other needs to share its callout (see
+/// `LeaseNeed::may_linger`). Refills start with a quarter of the grant left, about a quarter of
+/// `lease_horizon` of demand (250 ms by default), so the wait costs nothing at a steady rate;
+/// under many keys it makes one callout of several refills.
+pub const REFILL_LINGER_MS: u64 = 10;
+
 /// Demand estimate window.
 const WINDOW_MS: u64 = 1_000;
 
@@ -425,6 +431,25 @@ mod tests {
         assert!((90..=110).contains(&w), "{w}");
         // Batching off: exactly the request's cost.
         assert_eq!(want(&lease, 5, &settings(1), 2_000), 5);
+    }
+
+    #[test]
+    fn by_default_a_lease_covers_a_second_of_demand_up_to_a_thousand() {
+        let settings: LimiterSpec =
+            serde_json::from_str(r#"{"cluster":"l"}"#).unwrap_or_else(|e| panic!("{e}"));
+        let at_rate = |per_10ms: u64| {
+            let mut lease = Lease::default();
+            for t in 0..200u64 {
+                observe_demand(&mut lease, per_10ms, 1_000 + t * 10);
+            }
+            want(&lease, 1, &settings, 3_000)
+        };
+        // 300 units/s: one second's worth, not cut to a hundred.
+        let w = at_rate(3);
+        assert!((290..=310).contains(&w), "{w}");
+        // 5,000 units/s: capped at lease_max.
+        assert_eq!(at_rate(50), 1_000);
+        assert_eq!(settings.lease_max, 1_000);
     }
 
     #[test]

@@ -45,7 +45,7 @@ use tollgate_core::response::LocalReply;
 #[cfg(test)]
 use crate::engine::{Attempt, Verdict};
 #[cfg(test)]
-use crate::global;
+use crate::global::{self, DEADLINE_MARGIN_MS, REFILL_LINGER_MS};
 #[cfg(test)]
 use tollgate_core::protocol::{LEASES_PATH, RETURNS_PATH};
 

@@ -356,6 +356,7 @@ impl Engine {
                         want: *want,
                         demand_per_s: *demand_per_s,
                         blocking: true,
+                        may_linger: false,
                         asked_ms: now_ms,
                     });
                 }

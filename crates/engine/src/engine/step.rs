@@ -355,7 +355,9 @@ impl Engine {
             && lease.pending_until_ms <= now_ms
             && global::below_low_water(lease, settings)
         {
-            ask_in_background(matched, lease, settings, now_ms, scratch);
+            // A quarter of the grant is left: the refill may wait a little for company.
+            let may_linger = lease.tokens > 0;
+            ask_ahead(matched, lease, settings, now_ms, scratch, may_linger);
         }
     }
 }
@@ -405,7 +407,25 @@ pub(super) fn ask_in_background(
     now_ms: u64,
     scratch: &mut Scratch,
 ) {
-    lease.pending_until_ms = now_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
+    ask_ahead(matched, lease, settings, now_ms, scratch, false);
+}
+
+/// [`ask_in_background`]; `may_linger`: a refill that may wait for company
+/// ([`LeaseNeed::may_linger`]), so the key counts as asking for that much longer.
+fn ask_ahead(
+    matched: &Matched,
+    lease: &mut Lease,
+    settings: &LimiterSpec,
+    now_ms: u64,
+    scratch: &mut Scratch,
+    may_linger: bool,
+) {
+    let linger_ms = if may_linger {
+        global::REFILL_LINGER_MS
+    } else {
+        0
+    };
+    lease.pending_until_ms = now_ms + linger_ms + settings.timeout.0 + DEADLINE_MARGIN_MS;
     let want = global::want(lease, matched.cost, settings, now_ms);
     let demand_per_s = global::reported_demand(lease, want, settings, now_ms);
     lease.asked_demand_per_s = demand_per_s;
@@ -417,6 +437,7 @@ pub(super) fn ask_in_background(
         want,
         demand_per_s,
         blocking: false,
+        may_linger,
         asked_ms: now_ms,
     });
 }

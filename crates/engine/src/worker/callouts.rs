@@ -1,10 +1,12 @@
 //! Sending what the requests queued: lease needs merged into one request per key (asking for
 //! every waiter of the key, under the earlier id when an answer was lost), in batches the
 //! limiter accepts, with a timeout no later than the waiters' deadlines; and the returns of
-//! unspent tokens. Settled units ride along.
+//! unspent tokens. Settled units ride along. Refills of leases that still hold a quarter of
+//! their grant wait up to `REFILL_LINGER_MS` for company: under many keys, one callout carries
+//! the refills of several instead of one each.
 
 use super::{Asked, Callout, Ctx, Host, Worker, MAX_FLUSH_ROUNDS};
-use crate::global::{self, DEADLINE_MARGIN_MS};
+use crate::global::{self, DEADLINE_MARGIN_MS, REFILL_LINGER_MS};
 use crate::metrics::LeaseEvent;
 use crate::shared::SharedData;
 use std::collections::BTreeMap;
@@ -24,7 +26,11 @@ impl Worker {
             return;
         }
         for _ in 0..MAX_FLUSH_ROUNDS {
-            let batch = self.take_queued();
+            let batch = if self.needs_due(ctx.now_ms) {
+                self.take_queued()
+            } else {
+                Vec::new()
+            };
             let mut failed = Vec::new();
             for chunk in chunks(batch) {
                 failed.extend(self.send_leases(chunk, ctx, true));
@@ -39,6 +45,16 @@ impl Worker {
             }
         }
         self.update_tick(ctx.host);
+    }
+
+    /// Whether the queued needs go now: when a request waits (for one of them or for anything:
+    /// a key whose refill lingers may have run dry meanwhile), when one may not linger, or
+    /// when the oldest has lingered long enough. They all go together.
+    pub(super) fn needs_due(&self, now_ms: u64) -> bool {
+        !self.waiters.is_empty()
+            || self.queued.iter().any(|need| {
+                !need.may_linger || need.asked_ms.saturating_add(REFILL_LINGER_MS) <= now_ms
+            })
     }
 
     /// The queued needs as lease requests: one per key (covering the biggest single request and
@@ -57,6 +73,7 @@ impl Worker {
                 queued.need.want = queued.need.want.max(need.want);
                 queued.need.demand_per_s = queued.need.demand_per_s.max(need.demand_per_s);
                 queued.need.blocking |= need.blocking;
+                queued.need.may_linger &= need.may_linger;
                 continue;
             }
             let (seq, id, fresh) = match self.unsettled.get(&need.bucket_id) {

@@ -949,6 +949,136 @@ fn need_of(m: &crate::engine::Matched, blocking: bool, asked_ms: u64) -> LeaseNe
         want: 5,
         demand_per_s: 1.0,
         blocking,
+        may_linger: false,
         asked_ms,
     }
+}
+
+/// A background refill of `m`'s key asked at `asked_ms`, free to linger.
+fn refill_of(m: &crate::engine::Matched, asked_ms: u64) -> LeaseNeed {
+    LeaseNeed {
+        may_linger: true,
+        ..need_of(m, false, asked_ms)
+    }
+}
+
+/// The keys of every lease callout sent so far, callout by callout.
+fn lease_keys(rig: &Rig) -> Vec<Vec<String>> {
+    rig.host
+        .sent
+        .borrow()
+        .iter()
+        .filter(|(_, path, ..)| path == LEASES_PATH)
+        .map(|(_, _, body, _)| {
+            let batch: LeaseBatch = serde_json::from_slice(body).unwrap();
+            batch.leases.into_iter().map(|l| l.key).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn refills_linger_for_company_then_share_one_callout() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    let a = rig.plan("a").enforced[0].clone();
+    let b = rig.plan("b").enforced[0].clone();
+    rig.worker.queued.push(refill_of(&a, 1_000));
+    rig.flush(1_000);
+    assert!(lease_keys(&rig).is_empty(), "a refill waits for company");
+    assert_eq!(rig.host.tick.get(), TICK_MS, "the tick sends it later");
+    rig.worker.queued.push(refill_of(&b, 1_004));
+    rig.tick(1_000 + REFILL_LINGER_MS - 1);
+    assert!(lease_keys(&rig).is_empty(), "still lingering");
+    rig.tick(1_000 + REFILL_LINGER_MS);
+    assert_eq!(
+        lease_keys(&rig),
+        vec![vec!["a".to_string(), "b".to_string()]]
+    );
+    rig.answer_all(1_000 + REFILL_LINGER_MS + 1);
+    assert_eq!(
+        rig.host.tick.get(),
+        RETURN_TICK_MS,
+        "nothing queued: the slow tick"
+    );
+    assert_eq!(sink::value("tollgate_tokens_granted.policy.g"), 10);
+}
+
+#[test]
+fn a_request_that_waits_takes_lingering_refills_along() {
+    let mut rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    let a = rig.plan("a").enforced[0].clone();
+    rig.worker.queued.push(refill_of(&a, 2_000));
+    rig.flush(2_000);
+    assert!(lease_keys(&rig).is_empty());
+    // Key c has no lease: its request waits, and its callout carries a's refill at once.
+    assert_eq!(rig.request(20, "c", 2_001), Verdict::Wait);
+    assert_eq!(
+        lease_keys(&rig),
+        vec![vec!["a".to_string(), "c".to_string()]]
+    );
+    rig.answer_all(2_002);
+    assert_eq!(*rig.host.resumed.borrow(), vec![20]);
+}
+
+#[test]
+fn only_a_refill_with_tokens_left_lingers_and_the_key_asks_once_meanwhile() {
+    let rig = Rig::new(&policy(r#"{"mode":"closed"}"#, 100));
+    let plan = rig.plan("t");
+    let m = plan.enforced[0].clone();
+    let grant = LeaseGranted {
+        id: String::new(),
+        granted: 100,
+        remaining: 0.0,
+        retry_after_ms: 0,
+        expires_ms: 60_000,
+        share_per_s: 0.0,
+        period_ms: 0,
+    };
+    let at = |now| StoreAt::new(&rig.store, now);
+    rig.engine
+        .credit(at(0), &need_of(&m, true, 0), &grant, 1, true)
+        .unwrap();
+    let set_tokens = |tokens: u64, now: u64| {
+        rig.engine
+            .table()
+            .update(at(now), &m.bucket_id, |record| record.lease.tokens = tokens)
+            .unwrap();
+    };
+    let pending_until = |now: u64| {
+        let mut until = 0;
+        rig.engine
+            .table()
+            .update(at(now), &m.bucket_id, |record| {
+                until = record.lease.pending_until_ms
+            })
+            .unwrap();
+        until
+    };
+    // 25 of 100 left: this request spends one and falls below the low-water mark.
+    set_tokens(25, 10);
+    let d = rig.engine.decide(&plan, at(20), Attempt::default());
+    assert_eq!(d.verdict, Verdict::Continue);
+    assert_eq!(d.needs.len(), 1);
+    assert!(d.needs[0].may_linger && !d.needs[0].blocking);
+    // The key counts as asking for the linger and the callout's whole deadline.
+    assert_eq!(
+        pending_until(21),
+        20 + REFILL_LINGER_MS + 25 + DEADLINE_MARGIN_MS
+    );
+    let d = rig.engine.decide(&plan, at(22), Attempt::default());
+    assert!(
+        d.needs.is_empty(),
+        "one ask per key at a time: {:?}",
+        d.needs
+    );
+    // The last token spent: the next request would wait, so its refill goes at once.
+    set_tokens(1, pending_until(23));
+    let now = pending_until(23);
+    let d = rig.engine.decide(&plan, at(now), Attempt::default());
+    assert_eq!(d.verdict, Verdict::Continue);
+    assert_eq!(d.needs.len(), 1);
+    assert!(
+        !d.needs[0].may_linger,
+        "an empty lease's refill does not linger"
+    );
+    assert_eq!(pending_until(now), now + 25 + DEADLINE_MARGIN_MS);
 }

@@ -35,16 +35,17 @@ impl Worker {
         self.update_tick(ctx.host);
     }
 
-    /// The tick the worker needs: fast while requests wait or sleep, slow while leases it
-    /// credited may still expire with tokens left, else none.
+    /// The tick the worker needs: fast while requests wait or sleep or refills linger, slow
+    /// while leases it credited may still expire with tokens left, else none.
     pub(super) fn update_tick(&mut self, host: &impl Host) {
-        let want = if !self.waiters.is_empty() || !self.sleepers.is_empty() {
-            TICK_MS
-        } else if !self.expiring.is_empty() {
-            RETURN_TICK_MS
-        } else {
-            0
-        };
+        let want =
+            if !self.waiters.is_empty() || !self.sleepers.is_empty() || !self.queued.is_empty() {
+                TICK_MS
+            } else if !self.expiring.is_empty() {
+                RETURN_TICK_MS
+            } else {
+                0
+            };
         if want != self.tick_ms {
             host.set_tick(want);
             self.tick_ms = want;
