@@ -353,6 +353,7 @@ fn request_path(c: &mut Criterion) {
                 want: 100,
                 demand_per_s: 100.0,
                 blocking: true,
+                may_linger: false,
                 asked_ms: 10_000,
             };
             let grant = LeaseGranted {
