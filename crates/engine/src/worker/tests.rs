@@ -457,6 +457,17 @@ fn expired_leases_are_returned() {
     assert_eq!(sink::value("tollgate_tokens_returned.policy.g"), 3);
 }
 
+/// The lease callouts in flight, as sent.
+fn leases_sent(rig: &Rig) -> Vec<LeaseBatch> {
+    rig.host
+        .sent
+        .borrow()
+        .iter()
+        .filter(|(_, p, _, _)| p == LEASES_PATH)
+        .map(|(_, _, body, _)| serde_json::from_slice(body).unwrap())
+        .collect()
+}
+
 /// The return callouts in flight, as sent.
 fn returns_sent(rig: &Rig) -> Vec<tollgate_core::protocol::ReturnBatch> {
     rig.host
@@ -726,12 +737,7 @@ fn assigning_rig() -> Rig {
 }
 
 fn lease_callouts(rig: &Rig) -> usize {
-    rig.host
-        .sent
-        .borrow()
-        .iter()
-        .filter(|(_, path, _, _)| path == LEASES_PATH)
-        .count()
+    leases_sent(rig).len()
 }
 
 #[test]
@@ -962,17 +968,11 @@ fn refill_of(m: &crate::engine::Matched, asked_ms: u64) -> LeaseNeed {
     }
 }
 
-/// The keys of every lease callout sent so far, callout by callout.
+/// The keys of every lease callout in flight, callout by callout.
 fn lease_keys(rig: &Rig) -> Vec<Vec<String>> {
-    rig.host
-        .sent
-        .borrow()
-        .iter()
-        .filter(|(_, path, ..)| path == LEASES_PATH)
-        .map(|(_, _, body, _)| {
-            let batch: LeaseBatch = serde_json::from_slice(body).unwrap();
-            batch.leases.into_iter().map(|l| l.key).collect()
-        })
+    leases_sent(rig)
+        .into_iter()
+        .map(|batch| batch.leases.into_iter().map(|l| l.key).collect())
         .collect()
 }
 
