@@ -4,12 +4,14 @@
 //! once per request; `step` asks each policy's record what it says (in-flight slots, the
 //! local stage's token bucket, the global stage's lease or assignment, the failure-mode
 //! wrapper); `commit` combines the steps into the verdict and writes the records
-//! all-or-nothing; `settle` applies what the response says the request really cost, and
+//! all-or-nothing (`lone`: the common request, one policy that its record decides alone,
+//! without the combination); `settle` applies what the response says the request really cost, and
 //! frees its in-flight slot, when the stream ends. A request that must wait for the limiter
 //! gets [`Verdict::Wait`] plus the leases to ask for; the glue (`worker`) decides the same plan
 //! again when the limiter has answered, and credits answers through [`Engine::credit`].
 
 mod commit;
+mod lone;
 mod plan;
 mod settle;
 mod step;

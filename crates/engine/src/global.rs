@@ -184,6 +184,20 @@ fn forget_previous(lease: &mut Lease) {
     lease.prev_expires_ms = 0;
 }
 
+/// Whether [`expire`] has anything to do: the latest lease expired with tokens left, or the
+/// previous one expired.
+pub fn expiry_due(lease: &Lease, now_ms: u64) -> bool {
+    latest_expired(lease, now_ms) || previous_expired(lease, now_ms)
+}
+
+fn latest_expired(lease: &Lease, now_ms: u64) -> bool {
+    lease.tokens > 0 && lease.expires_ms <= now_ms
+}
+
+fn previous_expired(lease: &Lease, now_ms: u64) -> bool {
+    lease.prev_seq != 0 && lease.prev_expires_ms <= now_ms
+}
+
 /// Takes the unspent tokens of expired leases out of the lease. When the latest lease has
 /// expired, everything is taken: each lease's part to give back under its own id, at most
 /// what that lease granted, and the rest as expired; the lease is emptied. When only the
@@ -192,7 +206,7 @@ fn forget_previous(lease: &mut Lease) {
 /// latest lease runs on. `None` when nothing is to be given back.
 pub fn expire(lease: &mut Lease, now_ms: u64) -> Option<Expiry> {
     let (latest, previous, unattributed) = split(lease);
-    if lease.tokens > 0 && lease.expires_ms <= now_ms {
+    if latest_expired(lease, now_ms) {
         let out = Expiry {
             returns: [(lease.prev_seq, previous), (lease.seq, latest)],
             expired: unattributed,
@@ -202,7 +216,7 @@ pub fn expire(lease: &mut Lease, now_ms: u64) -> Option<Expiry> {
         forget_previous(lease);
         return Some(out);
     }
-    if lease.prev_seq != 0 && lease.prev_expires_ms <= now_ms {
+    if previous_expired(lease, now_ms) {
         let seq = lease.prev_seq;
         lease.tokens -= previous;
         forget_previous(lease);

@@ -72,6 +72,8 @@ pub use record::{Lease, Record};
 
 #[cfg(not(target_family = "wasm"))]
 pub use cells::Cells;
+#[cfg(not(target_family = "wasm"))]
+use cells::InPlace;
 
 use crate::shared::{SharedData, StoreAt, WriteError};
 use std::collections::BTreeMap;

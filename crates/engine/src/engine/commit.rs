@@ -3,7 +3,7 @@
 //! nothing; a lost CAS race refunds what was written), and shadow policies decided each on its
 //! own.
 
-use super::step::{ask_in_background, bucket_limits, local_step, Moment, Scratch, Spend, Step};
+use super::step::{ask_in_background, bucket_limits, Moment, Scratch, Spend, Step};
 use super::{
     Admission, Attempt, Decision, Engine, LeaseNeed, Matched, Outcome, Outcomes, Plan, Spent,
     Verdict,
@@ -40,8 +40,8 @@ impl Engine {
                 else {
                     return;
                 };
-                if self.is_lone_local(policy) {
-                    return self.decide_lone_local(m, policy, at, decision);
+                if self.decide_lone(m, policy, at, attempt, decision) {
+                    return;
                 }
                 one_item = [(m, policy)];
                 one_id = [m.bucket_id.as_str()];
@@ -141,92 +141,6 @@ impl Engine {
                         decision.verdict =
                             Verdict::Reply(response::limiter_unavailable(&policy.name));
                     }
-                }
-            }
-        }
-    }
-
-    /// Whether a request whose only enforced policy is `policy` is decided by its record's
-    /// local stage alone: a local policy (or a global one without a limiter to ask) that
-    /// neither tags, sends headers on allowed answers, holds in-flight slots nor settles.
-    fn is_lone_local(&self, policy: &Policy) -> bool {
-        let local = !policy.scope.uses_limiter() || self.policies.limiter.is_none();
-        local
-            && policy.tag.is_none()
-            && !policy.headers_on_allow
-            && policy.in_flight.is_none()
-            && policy.reserve.is_none()
-            && policy.settle.is_none()
-    }
-
-    /// The common request (one enforced local policy, see [`Engine::is_lone_local`]) decided
-    /// as the general path decides it — the same [`local_step`], spend, refusal and
-    /// housekeeping — without what only several policies, a limiter or a stream end need (the
-    /// steps list, scratch lists, the combination of verdicts).
-    fn decide_lone_local(
-        &self,
-        m: &Matched,
-        policy: &Policy,
-        at: StoreAt<'_, impl SharedData>,
-        decision: &mut Decision,
-    ) {
-        let now_ms = at.now_ms;
-        // The step reads the record; its spend and housekeeping are the only writes, made
-        // after it returned (in place in the native cells: nothing is copied out and back).
-        let result = self.table.transact_read(
-            at,
-            m.bucket_id.as_str(),
-            |record| local_step(policy, m, record, now_ms),
-            |step, record| {
-                if let Step::Allow { spend, .. } = step {
-                    apply_spend(spend, record);
-                }
-                mark_evictable(record, policy, now_ms);
-            },
-            // The key's group is written before its other candidates are confirmed, and a
-            // lost confirmation refunds it.
-            |step, before, after, current| {
-                if let Step::Allow { spend, .. } = step {
-                    undo_spend(spend, policy, before, after, current, now_ms);
-                }
-            },
-        );
-        let step = match result {
-            Ok(done) => {
-                decision.evictions += done.evictions;
-                Some(done.value)
-            }
-            Err(error) => {
-                decision.table_error = Some(error);
-                None
-            }
-        };
-        match step {
-            Some(Step::Allow {
-                outcome, delay_ms, ..
-            }) => {
-                decision.outcomes.push((m.index, outcome));
-                if delay_ms > 0 {
-                    decision.delay_ms = decision.delay_ms.max(delay_ms);
-                    decision.delayed.push(m.index);
-                }
-            }
-            Some(Step::Deny {
-                outcome,
-                remaining,
-                retry_ms,
-            }) => {
-                decision.outcomes.push((m.index, outcome));
-                decision.verdict = Verdict::Reply(response::too_many_requests(&[status(
-                    policy, remaining, retry_ms, now_ms,
-                )]));
-            }
-            // Not a local stage's answer (it never needs the limiter, nor holds slots).
-            Some(Step::Refuse | Step::Busy | Step::Need { .. }) | None => {
-                let outcome = when_table_fails(policy);
-                decision.outcomes.push((m.index, outcome));
-                if outcome == Outcome::FailClosed {
-                    decision.verdict = Verdict::Reply(response::limiter_unavailable(&policy.name));
                 }
             }
         }
@@ -396,7 +310,9 @@ impl Engine {
             {
                 apply_spend(spend, record);
                 if matches!(spend, Spend::Lease(_) | Spend::LeaseAhead(..)) {
-                    self.refill_if_low(m, policy, record, now_ms, scratch);
+                    scratch
+                        .needs
+                        .extend(self.refill_if_low(m, policy, record, now_ms));
                 }
                 admit(m, policy, spend, record, now_ms, scratch);
                 if *delay_ms > 0 {
@@ -452,7 +368,8 @@ impl Engine {
                     Step::Allow { spend, outcome, .. } => {
                         apply_spend(&spend, record);
                         if matches!(spend, Spend::Lease(_)) {
-                            self.refill_if_low(matched, policy, record, now_ms, &mut scratch);
+                            let refill = self.refill_if_low(matched, policy, record, now_ms);
+                            scratch.needs.extend(refill);
                         }
                         admit(matched, policy, &spend, record, now_ms, &mut scratch);
                         // Shadow never delays: a shaped shadow policy only counts.
@@ -533,7 +450,7 @@ fn tag(headers: &mut Vec<(String, String)>, header: &str, policy: &str) {
 /// Undoes an admission's spend on the record's current value (a later write of the
 /// transaction lost a race): `before` and `after` are the record as the decision read and
 /// left it.
-fn undo_spend(
+pub(super) fn undo_spend(
     spend: &Spend,
     policy: &Policy,
     before: &Record,
@@ -581,7 +498,7 @@ fn undo_spend(
     }
 }
 
-fn apply_spend(spend: &Spend, record: &mut Record) {
+pub(super) fn apply_spend(spend: &Spend, record: &mut Record) {
     match spend {
         Spend::Bucket(state) => record.bucket = Some(*state),
         Spend::Lease(cost) => record.lease.tokens = record.lease.tokens.saturating_sub(*cost),

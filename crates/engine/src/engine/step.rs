@@ -177,26 +177,7 @@ impl Engine {
         } = global;
         let (cost, now_ms) = (matched.cost, at.now_ms);
         let lease = &mut record.lease;
-        if at.attempt.round == 0 {
-            global::observe_demand(lease, cost, now_ms);
-        }
-        global::accrue(lease, now_ms);
-        if let Some(expiry) = global::expire(lease, now_ms) {
-            scratch
-                .returns
-                .extend(ReturnNeed::of_expiry(matched.index, matched.key(), &expiry));
-            if expiry.expired > 0 {
-                scratch.expired.push((matched.index, expiry.expired));
-            }
-        }
-        if global::renewal_due(lease, now_ms) {
-            // Nothing may drip after the renewal is asked for (the limiter gives the rest of
-            // the running assignment back when it decides); decisions stay local meanwhile.
-            global::stop_drip(lease, now_ms);
-            ask_in_background(matched, lease, settings, now_ms, scratch);
-            lease.assigned_until_ms = lease.assigned_until_ms.max(lease.pending_until_ms);
-        }
-        global::pay_debt(lease);
+        keep_lease(matched, lease, settings, at, scratch);
         if let Some(step) = shaped_against_assignment(policy, matched, lease, now_ms) {
             return step;
         }
@@ -204,37 +185,8 @@ impl Engine {
             return self.in_debt(global, record, scratch);
         }
         let lease = &mut record.lease;
-        if lease.tokens >= cost {
-            let left = (lease.tokens - cost) as f64;
-            let reset_ms = match policy.algorithm {
-                // A fixed window is whole again when it ends, and its lease ends with it (a
-                // calendar month's at the first of the next month).
-                Algorithm::FixedWindow(_) => lease.expires_ms.saturating_sub(now_ms),
-                _ => policy
-                    .limits
-                    .millis_to_refill(policy.limits.capacity() - left),
-            };
-            return Step::Allow {
-                spend: Spend::Lease(cost),
-                outcome: Outcome::Allowed,
-                remaining: left,
-                reset_ms,
-                delay_ms: 0,
-            };
-        }
-        if global::assigned(lease, now_ms) {
-            return Step::Deny {
-                outcome: Outcome::Denied,
-                remaining: lease.tokens as f64,
-                retry_ms: global::assignment_retry_ms(lease, cost, now_ms),
-            };
-        }
-        if lease.denied_until_ms > now_ms {
-            return Step::Deny {
-                outcome: Outcome::Denied,
-                remaining: 0.0,
-                retry_ms: lease.denied_until_ms - now_ms,
-            };
+        if let Some(step) = decided_by_lease(policy, cost, lease, now_ms) {
+            return step;
         }
         if at.attempt.deadline_passed || lease.unavailable_until_ms > now_ms {
             if lease.unavailable_until_ms > now_ms && lease.pending_until_ms <= now_ms {
@@ -336,19 +288,16 @@ impl Engine {
         }
     }
 
-    /// After an admitted spend of a lease: refill in the background when it runs low (an
-    /// assignment renews on its own schedule instead).
+    /// After an admitted spend of a lease: the background refill to ask for when it runs
+    /// low (an assignment renews on its own schedule instead).
     pub(super) fn refill_if_low(
         &self,
         matched: &Matched,
         policy: &Policy,
         record: &mut Record,
         now_ms: u64,
-        scratch: &mut Scratch,
-    ) {
-        let Some(settings) = self.policies.limiter.as_ref() else {
-            return;
-        };
+    ) -> Option<LeaseNeed> {
+        let settings = self.policies.limiter.as_ref()?;
         let lease = &mut record.lease;
         if policy.scope.uses_limiter()
             && !global::assigned(lease, now_ms)
@@ -357,9 +306,122 @@ impl Engine {
         {
             // A quarter of the grant is left: the refill may wait a little for company.
             let may_linger = lease.tokens > 0;
-            ask_ahead(matched, lease, settings, now_ms, scratch, may_linger);
+            return Some(ask_ahead(matched, lease, settings, now_ms, may_linger));
+        }
+        None
+    }
+}
+
+/// A lone global policy's step (see the `lone` module) when its lease decides it with no
+/// housekeeping to report: the step `Engine::step` takes, or `None` when the key's lease
+/// expires or its assignment is due for renewal, it has a debt its tokens cannot pay, a
+/// shaped request takes its turn ahead, or the limiter is needed. The record is only read:
+/// the lease's housekeeping is [`keep_lone_lease`], for the write to make. The common global
+/// request: a key spending from its lease, or refused by its assignment or by the limiter's
+/// last answer.
+pub(super) fn lone_global_step(
+    policy: &Policy,
+    matched: &Matched,
+    record: &Record,
+    at: Moment<'_>,
+) -> Option<Step> {
+    at.limiter.filter(|_| policy.scope.uses_limiter())?;
+    let now_ms = at.now_ms;
+    let mut lease = record.lease;
+    tend_lease(&mut lease, matched.cost, at);
+    if global::expiry_due(&lease, now_ms) || global::renewal_due(&lease, now_ms) {
+        return None;
+    }
+    global::pay_debt(&mut lease);
+    if lease.debt > 0 || shaped_against_assignment(policy, matched, &lease, now_ms).is_some() {
+        return None;
+    }
+    decided_by_lease(policy, matched.cost, &lease, now_ms)
+}
+
+/// A lone global step's housekeeping (`keep_lease` when nothing expires or renews): the
+/// demand estimate, the drip, the debt paid.
+pub(super) fn keep_lone_lease(lease: &mut Lease, cost: u64, at: Moment<'_>) {
+    tend_lease(lease, cost, at);
+    global::pay_debt(lease);
+}
+
+/// The housekeeping that reports nothing: the demand estimate (once per request) and the
+/// assignment's drip.
+fn tend_lease(lease: &mut Lease, cost: u64, at: Moment<'_>) {
+    if at.attempt.round == 0 {
+        global::observe_demand(lease, cost, at.now_ms);
+    }
+    global::accrue(lease, at.now_ms);
+}
+
+/// A global key's housekeeping before its lease decides: the demand estimate (once per
+/// request), the assignment's drip, an expired lease's return, a due renewal, the debt paid
+/// from what arrived.
+fn keep_lease(
+    matched: &Matched,
+    lease: &mut Lease,
+    settings: &LimiterSpec,
+    at: Moment<'_>,
+    scratch: &mut Scratch,
+) {
+    let now_ms = at.now_ms;
+    tend_lease(lease, matched.cost, at);
+    if let Some(expiry) = global::expire(lease, now_ms) {
+        scratch
+            .returns
+            .extend(ReturnNeed::of_expiry(matched.index, matched.key(), &expiry));
+        if expiry.expired > 0 {
+            scratch.expired.push((matched.index, expiry.expired));
         }
     }
+    if global::renewal_due(lease, now_ms) {
+        // Nothing may drip after the renewal is asked for (the limiter gives the rest of
+        // the running assignment back when it decides); decisions stay local meanwhile.
+        global::stop_drip(lease, now_ms);
+        ask_in_background(matched, lease, settings, now_ms, scratch);
+        lease.assigned_until_ms = lease.assigned_until_ms.max(lease.pending_until_ms);
+    }
+    global::pay_debt(lease);
+}
+
+/// What the lease decides by itself for a key without debt: its tokens cover the cost, or
+/// the assignment refuses (its drip has not covered it), or the limiter's last answer
+/// refuses until a time still ahead. `None`: the limiter must be asked (or is away).
+fn decided_by_lease(policy: &Policy, cost: u64, lease: &Lease, now_ms: u64) -> Option<Step> {
+    if lease.tokens >= cost {
+        let left = (lease.tokens - cost) as f64;
+        let reset_ms = match policy.algorithm {
+            // A fixed window is whole again when it ends, and its lease ends with it (a
+            // calendar month's at the first of the next month).
+            Algorithm::FixedWindow(_) => lease.expires_ms.saturating_sub(now_ms),
+            _ => policy
+                .limits
+                .millis_to_refill(policy.limits.capacity() - left),
+        };
+        return Some(Step::Allow {
+            spend: Spend::Lease(cost),
+            outcome: Outcome::Allowed,
+            remaining: left,
+            reset_ms,
+            delay_ms: 0,
+        });
+    }
+    if global::assigned(lease, now_ms) {
+        return Some(Step::Deny {
+            outcome: Outcome::Denied,
+            remaining: lease.tokens as f64,
+            retry_ms: global::assignment_retry_ms(lease, cost, now_ms),
+        });
+    }
+    if lease.denied_until_ms > now_ms {
+        return Some(Step::Deny {
+            outcome: Outcome::Denied,
+            remaining: 0.0,
+            retry_ms: lease.denied_until_ms - now_ms,
+        });
+    }
+    None
 }
 
 /// A shaped global policy over its limit: the instance holds an assignment (a share of the
@@ -407,19 +469,20 @@ pub(super) fn ask_in_background(
     now_ms: u64,
     scratch: &mut Scratch,
 ) {
-    ask_ahead(matched, lease, settings, now_ms, scratch, false);
+    let need = ask_ahead(matched, lease, settings, now_ms, false);
+    scratch.needs.push(need);
 }
 
-/// [`ask_in_background`]; `may_linger`: a refill that may wait for company
-/// ([`LeaseNeed::may_linger`]), so the key counts as asking for that much longer.
+/// The lease request of [`ask_in_background`], with the key marked as asking; `may_linger`:
+/// a refill that may wait for company ([`LeaseNeed::may_linger`]), so the key counts as
+/// asking for that much longer.
 fn ask_ahead(
     matched: &Matched,
     lease: &mut Lease,
     settings: &LimiterSpec,
     now_ms: u64,
-    scratch: &mut Scratch,
     may_linger: bool,
-) {
+) -> LeaseNeed {
     let linger_ms = if may_linger {
         global::REFILL_LINGER_MS
     } else {
@@ -429,7 +492,7 @@ fn ask_ahead(
     let want = global::want(lease, matched.cost, settings, now_ms);
     let demand_per_s = global::reported_demand(lease, want, settings, now_ms);
     lease.asked_demand_per_s = demand_per_s;
-    scratch.needs.push(LeaseNeed {
+    LeaseNeed {
         policy: matched.index,
         key: matched.key().to_owned(),
         bucket_id: matched.bucket_id.clone(),
@@ -439,7 +502,7 @@ fn ask_ahead(
         blocking: false,
         may_linger,
         asked_ms: now_ms,
-    });
+    }
 }
 
 pub(super) fn bucket_step(

@@ -105,6 +105,16 @@ enum Spot {
     Evict(usize),
 }
 
+/// What deciding a record in place came to.
+pub(super) enum InPlace<T> {
+    /// Decided and written.
+    Done(Transacted<T>),
+    /// The decision passed: nothing written.
+    Passed,
+    /// The key is not in its first candidate.
+    Elsewhere,
+}
+
 /// A key's group (its position among the locked groups) and spot.
 #[derive(Debug, Clone, Copy)]
 struct Place {
@@ -144,28 +154,32 @@ impl SlotTable {
         result
     }
 
-    /// [`SlotTable::transact_read`] on a record found in its key's first candidate: decided
-    /// and written in place under that group's lock. `None` when the key is not there (it is
-    /// new, or lives in another candidate): the caller runs the general transaction.
+    /// [`SlotTable::try_transact_read`] on a record found in its key's first candidate:
+    /// decided and written in place under that group's lock. [`InPlace::Elsewhere`] when the
+    /// key is not there (it is new, or lives in another candidate): the caller runs the
+    /// general transaction.
+    #[inline(always)]
     pub(super) fn transact_cell_in_place<T>(
         &self,
         cells: &Cells,
         id: &str,
-        decide: &mut impl FnMut(&Record) -> T,
+        decide: &mut impl FnMut(&Record) -> Option<T>,
         write: &impl Fn(&T, &mut Record),
-    ) -> Result<Option<Transacted<T>>, TableError> {
+    ) -> Result<InPlace<T>, TableError> {
         let probe = self.probe(id);
         let first = probe.groups(1);
         let Some(&index) = first.as_slice().first() else {
-            return Ok(None);
+            return Ok(InPlace::Elsewhere);
         };
         let mut group = cells.lock(index)?;
         let Some(record) = group.iter_mut().find(|r| r.id == id) else {
-            return Ok(None);
+            return Ok(InPlace::Elsewhere);
         };
-        let value = decide(record);
+        let Some(value) = decide(record) else {
+            return Ok(InPlace::Passed);
+        };
         write(&value, record);
-        Ok(Some(Transacted {
+        Ok(InPlace::Done(Transacted {
             value,
             committed: true,
             evictions: 0,

@@ -42,10 +42,29 @@ impl SlotTable {
         write: impl Fn(&T, &mut Record),
         refund: impl Fn(&T, &Record, &Record, &mut Record),
     ) -> Result<Transacted<T>, TableError> {
+        // A decision that never passes always gives a value.
+        self.try_transact_read(at, id, |record| Some(decide(record)), write, refund)?
+            .ok_or(TableError::Host)
+    }
+
+    /// [`SlotTable::transact_read`] for a decision that may pass: `decide` returning `None`
+    /// writes nothing (the record stays as it was read) and gives `Ok(None)`, for the caller
+    /// to decide the request another way.
+    #[inline]
+    pub fn try_transact_read<T>(
+        &self,
+        at: StoreAt<'_, impl SharedData>,
+        id: &str,
+        mut decide: impl FnMut(&Record) -> Option<T>,
+        write: impl Fn(&T, &mut Record),
+        refund: impl Fn(&T, &Record, &Record, &mut Record),
+    ) -> Result<Option<Transacted<T>>, TableError> {
         #[cfg(not(target_family = "wasm"))]
         if let Some(cells) = &self.cells {
-            if let Some(done) = self.transact_cell_in_place(cells, id, &mut decide, &write)? {
-                return Ok(done);
+            match self.transact_cell_in_place(cells, id, &mut decide, &write)? {
+                InPlace::Done(done) => return Ok(Some(done)),
+                InPlace::Passed => return Ok(None),
+                InPlace::Elsewhere => {}
             }
         }
         // The decision of the latest attempt: what the caller gets, and what a refund undoes.
@@ -54,14 +73,18 @@ impl SlotTable {
             at,
             &[id],
             |records| {
-                let Some(record) = records.first_mut() else {
-                    *last.borrow_mut() = None;
-                    return Txn::Abort(());
-                };
-                let value = decide(record);
-                write(&value, record);
-                *last.borrow_mut() = Some(value);
-                Txn::Commit(())
+                let decided = records.first_mut().and_then(|record| {
+                    let value = decide(record)?;
+                    write(&value, record);
+                    Some(value)
+                });
+                let commit = decided.is_some();
+                *last.borrow_mut() = decided;
+                if commit {
+                    Txn::Commit(())
+                } else {
+                    Txn::Abort(())
+                }
             },
             |_, before, after, current| {
                 if let Some(value) = &*last.borrow() {
@@ -69,13 +92,14 @@ impl SlotTable {
                 }
             },
         )?;
-        // One id always gives the decision one record: an abort cannot happen.
-        let value = last.into_inner().ok_or(TableError::Host)?;
-        Ok(Transacted {
+        if !done.committed {
+            return Ok(None);
+        }
+        Ok(last.into_inner().map(|value| Transacted {
             value,
-            committed: done.committed,
+            committed: true,
             evictions: done.evictions,
-        })
+        }))
     }
 
     pub(super) fn transact_in<T>(
