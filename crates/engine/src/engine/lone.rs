@@ -5,16 +5,19 @@
 //! and the same spend, refusal and housekeeping as the general path (`commit`), without the
 //! steps list, the scratch lists and the combination of verdicts.
 //!
-//! A local policy always takes it. A global one takes it when its lease decides by itself
-//! (`step::lone_global_step`: a key spending from its lease, or refused by its assignment or
-//! by the limiter's last answer); anything else (an expiry or a renewal to report, a debt, a
-//! shaped turn, a key that needs the limiter) passes without writing, and the request takes
-//! the general path.
+//! A local policy always takes it. A global one takes it in the native build when its lease
+//! decides by itself (`step::lone_global_step`: a key spending from its lease, or refused by
+//! its assignment or by the limiter's last answer); anything else (an expiry or a renewal to
+//! report, a debt, a shaped turn, a key that needs the limiter) passes without writing, and
+//! the request takes the general path.
 
 use super::commit::{apply_spend, mark_evictable, status, undo_spend};
-use super::step::{keep_lone_lease, local_step, lone_global_step, Moment, Step};
+#[cfg(not(target_family = "wasm"))]
+use super::step::{keep_lone_lease, lone_global_step, Moment};
+use super::step::{local_step, Step};
 use super::{Attempt, Decision, Engine, Matched, Verdict};
 use crate::shared::{SharedData, StoreAt};
+#[cfg(not(target_family = "wasm"))]
 use std::cell::Cell;
 use tollgate_core::policy::Policy;
 use tollgate_core::response;
@@ -88,10 +91,27 @@ impl Engine {
         conclude(m, policy, step.as_ref(), now_ms, decision);
     }
 
+    /// A global policy in the wasm build: the general path. Its table is shared data, where
+    /// the lone path saves little next to the host calls of the read and the write, and its
+    /// code (another instance of the table's transaction) would add to the module every worker
+    /// compiles.
+    #[cfg(target_family = "wasm")]
+    fn decide_lone_global(
+        &self,
+        _: &Matched,
+        _: &Policy,
+        _: StoreAt<'_, impl SharedData>,
+        _: Attempt,
+        _: &mut Decision,
+    ) -> bool {
+        false
+    }
+
     /// A global policy whose lease decides by itself: the step is read from the record, then
     /// the lease's housekeeping, the spend and, when the lease runs low, a background refill
     /// (as the general path asks for it) are written. `false`: the step passed, nothing was
     /// written.
+    #[cfg(not(target_family = "wasm"))]
     fn decide_lone_global(
         &self,
         m: &Matched,

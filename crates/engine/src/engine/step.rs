@@ -319,6 +319,7 @@ impl Engine {
 /// the lease's housekeeping is [`keep_lone_lease`], for the write to make. The common global
 /// request: a key spending from its lease, or refused by its assignment or by the limiter's
 /// last answer.
+#[cfg(not(target_family = "wasm"))]
 pub(super) fn lone_global_step(
     policy: &Policy,
     matched: &Matched,
@@ -341,6 +342,7 @@ pub(super) fn lone_global_step(
 
 /// A lone global step's housekeeping (`keep_lease` when nothing expires or renews): the
 /// demand estimate, the drip, the debt paid.
+#[cfg(not(target_family = "wasm"))]
 pub(super) fn keep_lone_lease(lease: &mut Lease, cost: u64, at: Moment<'_>) {
     tend_lease(lease, cost, at);
     global::pay_debt(lease);
