@@ -465,6 +465,13 @@ impl SlotTable {
         Ok(self)
     }
 
+    /// Whether the records are kept typed in cells (the native build) rather than in the
+    /// shared-data store.
+    #[cfg(not(target_family = "wasm"))]
+    pub fn keeps_cells(&self) -> bool {
+        self.cells.is_some()
+    }
+
     /// Groups the table's regions span (more than it was opened with only when it has more
     /// regions than groups).
     pub fn groups_needed(&self) -> u32 {

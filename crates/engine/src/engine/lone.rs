@@ -94,7 +94,8 @@ impl Engine {
     /// A global policy in the wasm build: the general path. Its table is shared data, where
     /// the lone path saves little next to the host calls of the read and the write, and its
     /// code (another instance of the table's transaction) would add to the module every worker
-    /// compiles.
+    /// compiles. (A native table in shared data, as tests and benchmarks open, decides as the
+    /// wasm build does.)
     #[cfg(target_family = "wasm")]
     fn decide_lone_global(
         &self,
@@ -107,10 +108,10 @@ impl Engine {
         false
     }
 
-    /// A global policy whose lease decides by itself: the step is read from the record, then
-    /// the lease's housekeeping, the spend and, when the lease runs low, a background refill
-    /// (as the general path asks for it) are written. `false`: the step passed, nothing was
-    /// written.
+    /// A global policy whose lease decides by itself, in the native cells: the step is read
+    /// from the record, then the lease's housekeeping, the spend and, when the lease runs low,
+    /// a background refill (as the general path asks for it) are written. `false`: the table
+    /// is shared data, or the step passed; nothing was written.
     #[cfg(not(target_family = "wasm"))]
     fn decide_lone_global(
         &self,
@@ -120,6 +121,9 @@ impl Engine {
         attempt: Attempt,
         decision: &mut Decision,
     ) -> bool {
+        if !self.table.keeps_cells() {
+            return false;
+        }
         let now_ms = at.now_ms;
         let moment = Moment {
             now_ms,

@@ -125,7 +125,9 @@ const GLOBAL: [&str; 4] = [
     r#""burst":4,"on_unavailable":{"mode":"local","share":0.5,"stale_ttl":"1s","then":"closed"}"#,
 ];
 
-fn global_engine(algorithm: &str, general: bool, typed: bool) -> (Engine, MemorySharedData) {
+/// `general`: the policy sends headers on allowed answers (the general path); both engines
+/// keep their records in cells, as the native build does (the lone global path's only table).
+fn global_engine(algorithm: &str, general: bool) -> (Engine, MemorySharedData) {
     let headers = if general {
         r#","ratelimit_headers_on_allow":true"#
     } else {
@@ -139,19 +141,12 @@ fn global_engine(algorithm: &str, general: bool, typed: bool) -> (Engine, Memory
     );
     let store = MemorySharedData::default();
     let policies = Policies::from_json(doc.as_bytes()).unwrap();
-    let table = if typed {
-        SlotTable::open_salted(&store, SHARED_PREFIX, 64, 1).unwrap()
-    } else {
-        SlotTable::open(&store, SHARED_PREFIX, 64, 1).unwrap()
-    };
-    let engine = Engine::new(policies, table);
-    let engine = if typed {
-        let cells = Arc::new(Cells::new(engine.table().groups_needed()));
-        engine.keeping_records_in(cells).unwrap()
-    } else {
-        engine
-    };
-    (engine, store)
+    let engine = Engine::new(
+        policies,
+        SlotTable::open_salted(&store, SHARED_PREFIX, 64, 1).unwrap(),
+    );
+    let cells = Arc::new(Cells::new(engine.table().groups_needed()));
+    (engine.keeping_records_in(cells).unwrap(), store)
 }
 
 /// What one step of the global traffic does.
@@ -239,19 +234,19 @@ fn said(d: &Decision) -> Said {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
-    /// A global policy's requests decide alike on the lone path and on the general one,
+    /// A global policy's requests decide alike on the lone path (in the native cells) and on
+    /// the general one,
     /// through leases granted, spent, refilled, expired and returned, denials, assignments
     /// (shaped turns against their drip), outages (the failure mode), and requests that wait
     /// and decide again, with or without their deadline passed.
     #[test]
     fn the_lone_global_path_decides_as_the_general_one(
         algorithm in 0..GLOBAL.len(),
-        typed in any::<bool>(),
         traffic in prop::collection::vec(event(), 1..120),
     ) {
         let algorithm = GLOBAL[algorithm];
         let mut engines = [false, true].map(|general| {
-            let (engine, store) = global_engine(algorithm, general, typed);
+            let (engine, store) = global_engine(algorithm, general);
             Driven { engine, store, asked: Vec::new(), waiting: Vec::new() }
         });
         let mut now = 1_000_000u64;
@@ -302,7 +297,7 @@ proptest! {
 fn the_lone_global_step_takes_what_the_lease_decides_alone() {
     use super::step::{keep_lone_lease, lone_global_step, Moment, Spend, Step};
     use crate::table::Record;
-    let (engine, _store) = global_engine(GLOBAL[0], false, false);
+    let (engine, _store) = global_engine(GLOBAL[0], false);
     let plan = engine.plan(
         &RequestFacts {
             method: "POST".into(),
