@@ -66,6 +66,15 @@ fn engine(algorithm: &str, general: bool, typed: bool) -> (Engine, MemorySharedD
     (engine, store)
 }
 
+/// A request of the policies' routes: `GET /a` (cost 1), or `POST /b` (cost 3).
+fn route(post: bool) -> RequestFacts<'static> {
+    RequestFacts {
+        method: if post { "POST" } else { "GET" }.into(),
+        path: if post { "/b" } else { "/a" }.into(),
+        host: "h".into(),
+    }
+}
+
 /// What a decision says, but the headers only the general engine's policy adds.
 fn seen(d: &Decision) -> (Verdict, Vec<(usize, Outcome)>, u64, Vec<usize>, u32) {
     (
@@ -93,11 +102,7 @@ proptest! {
         for (tenant, step_ms, post, may_wait) in traffic {
             now += step_ms;
             let tenant = Tenant(format!("t{tenant}"));
-            let facts = RequestFacts {
-                method: if post { "POST" } else { "GET" }.into(),
-                path: if post { "/b" } else { "/a" }.into(),
-                host: "h".into(),
-            };
+            let facts = route(post);
             let mut decided = Vec::new();
             for (e, store) in [(&lone, &lone_store), (&general, &general_store)] {
                 let mut plan = e.plan(&facts, &tenant);
@@ -257,11 +262,7 @@ proptest! {
                 Event::Request(tenant, step_ms, post, may_wait) => {
                     now += step_ms;
                     let tenant = Tenant(format!("t{tenant}"));
-                    let facts = RequestFacts {
-                        method: if post { "POST" } else { "GET" }.into(),
-                        path: if post { "/b" } else { "/a" }.into(),
-                        host: "h".into(),
-                    };
+                    let facts = route(post);
                     for (e, seen) in engines.iter_mut().zip(decided.iter_mut()) {
                         let mut plan = e.engine.plan(&facts, &tenant);
                         for m in plan.enforced.iter_mut() {
@@ -298,14 +299,7 @@ fn the_lone_global_step_takes_what_the_lease_decides_alone() {
     use super::step::{keep_lone_lease, lone_global_step, Moment, Spend, Step};
     use crate::table::Record;
     let (engine, _store) = global_engine(GLOBAL[0], false);
-    let plan = engine.plan(
-        &RequestFacts {
-            method: "POST".into(),
-            path: "/b".into(),
-            host: "h".into(),
-        },
-        &Tenant("t".into()),
-    );
+    let plan = engine.plan(&route(true), &Tenant("t".into()));
     let (m, policy) = (&plan.enforced[0], engine.policy(0).unwrap());
     let now = 1_000_000;
     let at = Moment {
