@@ -33,6 +33,11 @@ pub fn target_dir() -> PathBuf {
 /// Builds `args` with cargo (once per test process and argument list), so a test never runs a
 /// binary older than the sources: an up-to-date build costs cargo's check, a stale one is
 /// rebuilt. Panics with cargo's output when the build fails.
+///
+/// The test's environment carries what cargo sets for the test's own crate
+/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, ...). Build scripts watch some of them (ring's watches
+/// `CARGO_MANIFEST_DIR`), so cargo would take them for changed inputs and rebuild ring and
+/// everything above it whenever tests of another crate ran last: they are left out.
 pub fn cargo_build(args: &[&str]) {
     static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let key = args.join(" ");
@@ -41,10 +46,17 @@ pub fn cargo_build(args: &[&str]) {
         return;
     }
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let output = std::process::Command::new(cargo)
+    let mut command = std::process::Command::new(cargo);
+    command
         .arg("build")
         .args(args)
-        .current_dir(workspace_root())
+        .current_dir(workspace_root());
+    for (name, _) in env::vars_os() {
+        if name.to_str().is_some_and(set_by_cargo_for_a_crate) {
+            command.env_remove(name);
+        }
+    }
+    let output = command
         .output()
         .unwrap_or_else(|e| panic!("cannot run `cargo build {key}`: {e}"));
     assert!(
@@ -53,6 +65,21 @@ pub fn cargo_build(args: &[&str]) {
         String::from_utf8_lossy(&output.stderr)
     );
     built.push(key);
+}
+
+/// Whether `name` is a variable cargo sets for the crate it runs (a test, a build script).
+fn set_by_cargo_for_a_crate(name: &str) -> bool {
+    const PER_CRATE: [&str; 4] = [
+        "CARGO_PKG_",
+        "CARGO_MANIFEST_",
+        "CARGO_CRATE_",
+        "CARGO_BIN_",
+    ];
+    PER_CRATE.iter().any(|prefix| name.starts_with(prefix))
+        || matches!(
+            name,
+            "CARGO_PRIMARY_PACKAGE" | "CARGO_TARGET_TMPDIR" | "OUT_DIR"
+        )
 }
 
 /// `<workspace>/target/e2e-logs`, where every child process writes its logs.
@@ -235,6 +262,34 @@ mod tests {
     fn sanitize_keeps_names_readable() {
         assert_eq!(sanitize("mod::test_a"), "mod-test_a");
         assert_eq!(sanitize("a b/c"), "a_b_c");
+    }
+
+    #[test]
+    fn a_build_from_a_test_leaves_out_only_what_cargo_set_for_the_test() {
+        for name in [
+            "CARGO_MANIFEST_DIR",
+            "CARGO_MANIFEST_PATH",
+            "CARGO_PKG_VERSION",
+            "CARGO_PKG_NAME",
+            "CARGO_CRATE_NAME",
+            "CARGO_BIN_EXE_tollgate-limiter",
+            "CARGO_PRIMARY_PACKAGE",
+            "CARGO_TARGET_TMPDIR",
+            "OUT_DIR",
+        ] {
+            assert!(set_by_cargo_for_a_crate(name), "{name}");
+        }
+        for name in [
+            "CARGO",
+            "CARGO_HOME",
+            "CARGO_TARGET_DIR",
+            "CARGO_INCREMENTAL",
+            "CARGO_TERM_COLOR",
+            "RUSTFLAGS",
+            "PATH",
+        ] {
+            assert!(!set_by_cargo_for_a_crate(name), "{name}");
+        }
     }
 
     #[test]
