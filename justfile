@@ -93,11 +93,13 @@ deny-advisories:
 # Every test: lint, unit + property + end-to-end (real Envoy, real Redis), core on wasm32.
 # (A plain `cargo test` runs the unit and property tests only.)
 test: lint docs build-wasm build-native
+    # The limiter as the demo (`just up`) and the end-to-end tests build it. The test build below
+    # shares its dependencies (the limiter's and the harness's dev-dependencies add no features
+    # to them) and compiles again only the limiter itself and the regex crates proptest widens.
+    cargo build -p tollgate-limiter
     # Every suite runs even when an earlier one fails; the recipe fails at the end if any did.
-    # The end-to-end tier (real Envoy, Redis, limiter) is behind the e2e features. Its tests run
-    # the limiter binary this build makes for the limiter's own tests (built before any test
-    # runs, with this run's features) instead of building it again with another feature set.
-    status=0; TOLLGATE_LIMITER_BIN="$(realpath -m "${CARGO_TARGET_DIR:-target}")/debug/tollgate-limiter" cargo test --workspace --no-fail-fast --features tollgate-e2e/e2e,tollgate-limiter/e2e || status=1; cargo test -p tollgate-core --target wasm32-wasip1 || status=1; exit $status
+    # The end-to-end tier (real Envoy, Redis, limiter) is behind the e2e features.
+    status=0; cargo test --workspace --no-fail-fast --features tollgate-e2e/e2e,tollgate-limiter/e2e || status=1; cargo test -p tollgate-core --target wasm32-wasip1 || status=1; exit $status
 
 # Build the book (docs/, mdBook) into target/book/ and check the links of the documentation:
 # every relative link and #anchor of README.md, CONTRIBUTING.md, CHANGELOG.md and docs/src.
