@@ -33,11 +33,7 @@ pub fn target_dir() -> PathBuf {
 /// Builds `args` with cargo (once per test process and argument list), so a test never runs a
 /// binary older than the sources: an up-to-date build costs cargo's check, a stale one is
 /// rebuilt. Panics with cargo's output when the build fails.
-///
-/// The test's environment carries what cargo sets for the test's own crate
-/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, ...). Build scripts watch some of them (ring's watches
-/// `CARGO_MANIFEST_DIR`), so cargo would take them for changed inputs and rebuild ring and
-/// everything above it whenever tests of another crate ran last: they are left out.
+/// It runs in a shell's environment ([`as_from_a_shell`]).
 pub fn cargo_build(args: &[&str]) {
     static BUILT: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let key = args.join(" ");
@@ -51,12 +47,7 @@ pub fn cargo_build(args: &[&str]) {
         .arg("build")
         .args(args)
         .current_dir(workspace_root());
-    for (name, _) in env::vars_os() {
-        if name.to_str().is_some_and(set_by_cargo_for_a_crate) {
-            command.env_remove(name);
-        }
-    }
-    let output = command
+    let output = as_from_a_shell(&mut command)
         .output()
         .unwrap_or_else(|e| panic!("cannot run `cargo build {key}`: {e}"));
     assert!(
@@ -65,6 +56,20 @@ pub fn cargo_build(args: &[&str]) {
         String::from_utf8_lossy(&output.stderr)
     );
     built.push(key);
+}
+
+/// `command` without the variables cargo set for the test's own crate (`CARGO_MANIFEST_DIR`,
+/// `CARGO_PKG_*`, ...), as a person would run it from a shell. Build scripts watch some of
+/// them (ring's watches `CARGO_MANIFEST_DIR`): a cargo build under them, directly or through
+/// `just`, would take them for changed inputs and rebuild ring and everything above it
+/// whenever the last build ran under another crate's values or none.
+pub fn as_from_a_shell(command: &mut std::process::Command) -> &mut std::process::Command {
+    for (name, _) in env::vars_os() {
+        if name.to_str().is_some_and(set_by_cargo_for_a_crate) {
+            command.env_remove(name);
+        }
+    }
+    command
 }
 
 /// Whether `name` is a variable cargo sets for the crate it runs (a test, a build script).
