@@ -124,7 +124,8 @@ pub fn current(limits: &Limits, state: Option<BucketState>, now_ms: u64) -> Buck
     };
     let elapsed = now_ms.saturating_sub(state.updated_ms);
     let mut tokens = tokens + elapsed as f64 * limits.refill_per_ms();
-    if tokens > limits.capacity() {
+    // Within EPSILON of capacity is full (see `BucketState::refilled`).
+    if tokens + EPSILON >= limits.capacity() {
         tokens = limits.capacity();
     }
     BucketState {

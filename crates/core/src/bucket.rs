@@ -10,7 +10,7 @@
 
 /// Float slack when comparing tokens to a cost: refill arithmetic (`elapsed × rate`) may land a
 /// hair under a whole number that is really there.
-const EPSILON: f64 = 1e-9;
+pub(crate) const EPSILON: f64 = 1e-9;
 
 /// Rate and capacity of one bucket: `capacity` tokens at most, refilled at `refill_per_ms`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -100,7 +100,14 @@ impl BucketState {
             0.0
         };
         let elapsed = now_ms.saturating_sub(self.updated_ms);
-        let tokens = (tokens + elapsed as f64 * limits.refill_per_ms).min(limits.capacity);
+        let tokens = tokens + elapsed as f64 * limits.refill_per_ms;
+        // Within EPSILON of capacity is full: at `full_at_ms` the product of a whole number of
+        // milliseconds and the rate may land a hair under it.
+        let tokens = if tokens + EPSILON >= limits.capacity {
+            limits.capacity
+        } else {
+            tokens
+        };
         Self {
             tokens,
             updated_ms: self.updated_ms.max(now_ms),
@@ -376,6 +383,18 @@ mod tests {
         assert_eq!(s.refilled(&l, 10_100).tokens, 10.0);
         assert_eq!(s.refilled(&l, 99_999_999).tokens, 20.0);
         assert_eq!(s.full_at_ms(&l), 10_200);
+    }
+
+    #[test]
+    fn a_bucket_is_full_at_its_full_at_time_whatever_the_float_rounding() {
+        // 1 unit per 691 ms, burst 26: 24 tokens take 16,584 ms, and 16,584 × (1/691) is a
+        // hair under 24 in floats.
+        let l = Limits::new(1, 691, 26).unwrap();
+        let (s, _) = try_take(&l, None, 0, 24);
+        assert_eq!(s.refilled(&l, s.full_at_ms(&l)).tokens, 26.0);
+        assert!(s.refilled(&l, s.full_at_ms(&l) - 1).tokens < 26.0);
+        let (again, _) = try_take(&l, Some(s), s.full_at_ms(&l), 26);
+        assert_eq!(again.tokens, 0.0);
     }
 
     #[test]

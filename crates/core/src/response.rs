@@ -4,6 +4,7 @@
 //!
 //! Bodies name the policy and never an internal key or tenant.
 
+use crate::bucket::EPSILON;
 use serde::Serialize;
 
 /// What a policy's bucket looks like for the rate-limit headers.
@@ -69,8 +70,10 @@ pub fn ratelimit_header(statuses: &[PolicyStatus<'_>]) -> String {
     statuses
         .iter()
         .map(|s| {
+            // Whole tokens as the decisions count them (with the same float slack), so a
+            // bucket refilled to a hair under a whole number shows that number.
             let remaining = if s.remaining.is_finite() && s.remaining > 0.0 {
-                s.remaining.floor() as u64
+                (s.remaining + EPSILON).floor() as u64
             } else {
                 0
             };
@@ -202,6 +205,19 @@ mod tests {
         assert!(reply
             .headers
             .contains(&("ratelimit".into(), r#""a";r=0;t=1, "b";r=0;t=2"#.into())));
+    }
+
+    #[test]
+    fn remaining_counts_whole_tokens_with_the_decisions_float_slack() {
+        let at = |remaining| PolicyStatus {
+            remaining,
+            ..status("a", 1_000)
+        };
+        let header = |s| ratelimit_header(&[s]);
+        assert_eq!(header(at(25.999_999_999_999_996)), r#""a";r=26;t=1"#);
+        assert_eq!(header(at(25.9)), r#""a";r=25;t=1"#);
+        assert_eq!(header(at(-3.0)), r#""a";r=0;t=1"#);
+        assert_eq!(header(at(f64::NAN)), r#""a";r=0;t=1"#);
     }
 
     #[test]

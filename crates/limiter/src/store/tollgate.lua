@@ -121,7 +121,7 @@ local function current(cap, rate, tokens, updated, now)
     elapsed = 0
   end
   tokens = tokens + elapsed * rate
-  if tokens > cap then
+  if tokens + EPSILON >= cap then
     tokens = cap
   end
   if now > updated then
