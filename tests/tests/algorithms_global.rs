@@ -16,7 +16,10 @@ use tollgate_e2e::{burst, Envoy, RedisCluster, RedisServer, RequestSpec, Respons
 const ALGORITHMS: [&str; 3] = ["fixed_window", "sliding_window", "sliding_log"];
 
 /// One global policy per algorithm on its own route: 20 per hour (the burst lies in one
-/// window).
+/// window). The limiter's deadline is far above any answer time, even while the parallel test
+/// starts its own Envoys and Redis on the same two cores: this test is about exact admission,
+/// and a request decided by the failure mode (`closed`: a 503) would only say the machine was
+/// busy. Deadlines and failure modes have tests of their own.
 fn policies() -> String {
     let policies: Vec<String> = ALGORITHMS
         .iter()
@@ -31,7 +34,7 @@ fn policies() -> String {
         .collect();
     format!(
         r#"{{ "policies": [{}],
-  "limiter": {{ "cluster": "tollgate_limiter", "timeout": "2s" }} }}"#,
+  "limiter": {{ "cluster": "tollgate_limiter", "timeout": "10s" }} }}"#,
         policies.join(",\n")
     )
 }
@@ -62,6 +65,16 @@ async fn each_algorithm_admits_its_limit_over_two_envoys(store: Store) {
             let (ra, rb) = tokio::join!(
                 burst(port_a, 150, 30, request),
                 burst(port_b, 150, 30, request)
+            );
+            let others: Vec<u16> = ra
+                .iter()
+                .chain(&rb)
+                .map(|r| r.status)
+                .filter(|s| *s != 200 && *s != 429)
+                .collect();
+            assert!(
+                others.is_empty(),
+                "{algorithm} for {tenant}: answers neither 200 nor 429: {others:?}"
             );
             let statuses = |r: &[Response]| r.iter().filter(|r| r.status == 429).count();
             assert_eq!(
