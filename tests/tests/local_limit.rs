@@ -13,7 +13,9 @@
 use tollgate_e2e::http_blocking::raw_status;
 
 use serde_json::Value;
+use std::time::Duration;
 use tollgate_e2e::build::Build;
+use tollgate_e2e::process;
 use tollgate_e2e::tollgate::{self, envoy_config};
 use tollgate_e2e::{burst, send, Envoy, EnvoyOptions, RequestSpec, Upstream};
 
@@ -297,7 +299,6 @@ async fn ten_thousand_tenants_stay_inside_the_slot_table(build: Build) {
         lookup(&format!("tenant-{i:05}-{}", "p".repeat(40)), i)
     })
     .await;
-    let after = envoy.memory_allocated();
     assert!(
         responses.iter().all(|r| r.status == 200),
         "{:?}",
@@ -311,14 +312,26 @@ async fn ten_thousand_tenants_stay_inside_the_slot_table(build: Build) {
         full >= (tenants + warmed - slots) as u64,
         "table_full {full}"
     );
+    // Unbounded keys would hold 10,000 × (key ≈ 60 B + value ≈ 100 B + map node) ≈ 2 MB for
+    // good. The table is at its bound before the measurement, so growth is noise from
+    // connections and stats (a few KB), or work still in flight when the burst ends (V8
+    // compiling hot functions in the background on a loaded machine: once ~0.5 MB for a moment).
+    // What stays is what counts: the growth must fall under the bound, awaited, not sampled once.
+    let bound = 512 * 1024;
+    let mut after = 0;
+    let settled = process::wait_for(
+        "Envoy's allocations to settle",
+        Duration::from_secs(15),
+        || {
+            after = envoy.memory_allocated();
+            (after.saturating_sub(before) < bound).then_some(())
+        },
+    );
     let growth = after.saturating_sub(before);
-    // Unbounded keys would hold 10,000 × (key ≈ 60 B + value ≈ 100 B + map node) ≈ 2 MB.
-    // The table is at its bound before the measurement, so growth is noise from connections
-    // and stats.
     println!("Envoy allocated before {before} B, after {after} B, growth {growth} B for {tenants} tenants");
     assert!(
-        growth < 512 * 1024,
-        "memory grew by {growth} bytes for {tenants} tenants"
+        settled.is_ok(),
+        "memory grew by {growth} bytes for {tenants} tenants and stayed"
     );
 }
 
