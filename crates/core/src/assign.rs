@@ -114,24 +114,11 @@ impl Allotment {
 /// The bucket's content at `now_ms`: refilled up to capacity, never clamped at zero (debt of
 /// running assignments stays). A bucket never seen is full; backward time refills nothing.
 pub fn current(limits: &Limits, state: Option<BucketState>, now_ms: u64) -> BucketState {
-    let Some(state) = state else {
-        return BucketState::full(limits, now_ms);
-    };
-    let tokens = if state.tokens.is_finite() {
-        state.tokens
-    } else {
-        0.0
-    };
-    let elapsed = now_ms.saturating_sub(state.updated_ms);
-    let mut tokens = tokens + elapsed as f64 * limits.refill_per_ms();
-    // Within EPSILON of capacity is full (see `BucketState::refilled`).
-    if tokens + EPSILON >= limits.capacity() {
-        tokens = limits.capacity();
-    }
-    BucketState {
-        tokens,
-        updated_ms: state.updated_ms.max(now_ms),
-    }
+    // `refilled` never clamps at zero either: the filter's buckets and assignments refill alike.
+    state.map_or_else(
+        || BucketState::full(limits, now_ms),
+        |state| state.refilled(limits, now_ms),
+    )
 }
 
 /// Decides one ask against a bucket and its holdings (mutated in place: expired holdings are
